@@ -1,0 +1,64 @@
+"""Backend hooks: the only place where TensorFlow, JAX or PyTorch is named.
+
+The rest of the package talks to the backend through the names re-exported
+here. Each backend module provides the same set:
+
+- ``OptimizerHooks``: a mixin placed before Keras' optimizer in the MRO of
+  :class:`keras_ema_opt.Optimizer`. It overrides narrow Keras internals only.
+- ``keras_optimizer_class(name)``: the Keras class whose update rule a named
+  optimizer reuses (on PyTorch, Keras' multi-tensor ``torch._foreach``
+  variant, which is what ``keras.optimizers.<Name>()`` itself builds there).
+- ``resolve_jit_compile(requested)``: whether eager ``apply_gradients`` runs
+  compiled on this backend and machine.
+- ``compiled_apply(optimizer, grads, variables)``: one optimizer step, run
+  compiled when that is possible and useful, else eagerly.
+- ``compute_gradients(loss, var_list, tape)``: gradients of a loss.
+- ``aggregate_gradients(optimizer, grads_and_vars)``: the sum over replicas.
+- ``prepare_gradients(grads)``: backend-specific gradient clean-up (sparse
+  de-duplication on TensorFlow).
+- ``colocate_with(variable)``: a context placing new state beside a variable.
+- ``assign_copy(optimizer, variable, value)``: assign a value that shares no
+  buffer with its source.
+"""
+
+import keras
+
+_BACKEND = keras.backend.backend()
+
+if _BACKEND == "tensorflow":
+    from keras_ema_opt.backend import tensorflow as _impl
+elif _BACKEND == "jax":
+    from keras_ema_opt.backend import jax as _impl
+elif _BACKEND == "torch":
+    from keras_ema_opt.backend import torch as _impl
+else:  # pragma: no cover - guarded by Keras itself
+    raise ImportError(
+        f"keras_ema_opt supports the 'jax', 'tensorflow' and 'torch' Keras "
+        f"backends. Received: KERAS_BACKEND={_BACKEND!r}. Set the "
+        "KERAS_BACKEND environment variable to one of those before importing "
+        "keras."
+    )
+
+NAME = _BACKEND
+OptimizerHooks = _impl.OptimizerHooks
+keras_optimizer_class = _impl.keras_optimizer_class
+resolve_jit_compile = _impl.resolve_jit_compile
+compiled_apply = _impl.compiled_apply
+compute_gradients = _impl.compute_gradients
+aggregate_gradients = _impl.aggregate_gradients
+prepare_gradients = _impl.prepare_gradients
+colocate_with = _impl.colocate_with
+assign_copy = _impl.assign_copy
+
+__all__ = [
+    "NAME",
+    "OptimizerHooks",
+    "aggregate_gradients",
+    "assign_copy",
+    "colocate_with",
+    "compiled_apply",
+    "compute_gradients",
+    "keras_optimizer_class",
+    "prepare_gradients",
+    "resolve_jit_compile",
+]

@@ -1,0 +1,47 @@
+"""Pieces shared by the backend modules (no framework imports here)."""
+
+import contextlib
+
+import keras
+
+
+def keras_optimizer_class(name):
+    """The Keras optimizer class called ``name`` (e.g. ``"Adam"``)."""
+    return getattr(keras.optimizers, name)
+
+
+@contextlib.contextmanager
+def no_placement(variable):
+    """A placement context that does nothing (backends without colocation)."""
+    del variable
+    yield
+
+
+def assign_copy(optimizer, variable, value):
+    """``variable <- value`` through a fresh buffer.
+
+    JAX variables hold immutable arrays, and ``Variable.assign`` stores the
+    array it is given: assigning another variable's array would make both
+    variables share one buffer, which a donating ``jax.jit`` (the one
+    ``fit()`` uses) then rejects ("Attempt to donate the same buffer twice",
+    Keras 3.15 defect L3). ``ops.copy`` gives a buffer of its own everywhere.
+    """
+    del optimizer
+    if isinstance(value, keras.Variable):
+        value = value.value
+    variable.assign(keras.ops.copy(value))
+
+
+def check_no_tape(tape, backend_name):
+    if tape is not None:
+        raise ValueError(
+            "`tape` is a TensorFlow `tf.GradientTape`, which the "
+            f"'{backend_name}' backend does not have. Received: tape={tape!r}. "
+            "Pass the loss as a callable that takes no arguments and "
+            "returns the value to minimize, and leave `tape=None`."
+        )
+
+
+def split_pairs(grads_and_vars):
+    pairs = list(grads_and_vars)
+    return [g for g, _ in pairs], [v for _, v in pairs]

@@ -1,0 +1,115 @@
+"""JAX hooks: a jitted, donating eager step and stateless gradients."""
+
+import jax
+import jax.numpy as jnp
+from keras.src.backend.common.stateless_scope import StatelessScope
+from keras.src.backend.common.stateless_scope import in_stateless_scope
+
+import keras
+from keras_ema_opt.backend import _common
+
+keras_optimizer_class = _common.keras_optimizer_class
+colocate_with = _common.no_placement
+assign_copy = _common.assign_copy
+
+
+class OptimizerHooks:
+    """Nothing to override on JAX: Keras' own step is already stateless."""
+
+
+def resolve_jit_compile(requested):
+    """``jax.jit`` helps on every device, CPU included."""
+    return bool(requested)
+
+
+def compiled_apply(optimizer, grads, variables):
+    """One step; under ``jax.jit`` when called eagerly with concrete arrays.
+
+    Inside a traced function (``fit()``'s compiled step, a user's own
+    ``jax.jit``, a ``StatelessScope``) the caller's compilation applies.
+    The compiled step donates the old buffers of the model and optimizer
+    variables, as ``fit()`` does, unless two variables share a buffer.
+    """
+    if (
+        not optimizer.jit_compile
+        or in_stateless_scope()
+        or any(isinstance(g, jax.core.Tracer) for g in grads)
+    ):
+        return optimizer.apply(grads, variables)
+    if not optimizer.built:
+        with keras.name_scope(optimizer.name, caller=optimizer):
+            optimizer.build(variables)
+        optimizer.built = True
+    optimizer._check_variables_are_known(variables)
+    grads, variables = optimizer._filter_empty_gradients(grads, variables)
+    model_vars = list(optimizer._trainable_variables)
+    opt_vars = optimizer.variables
+    key = (tuple(id(v) for v in variables), tuple(id(v) for v in opt_vars))
+    model_values = [v.value for v in model_vars]
+    opt_values = [v.value for v in opt_vars]
+    donate = _distinct_buffers(model_values + opt_values)
+    cache = optimizer.__dict__.setdefault("_keo_compiled", {})
+    fn = cache.get((key, donate))
+    if fn is None:
+        fn = _make_step(optimizer, variables, model_vars, opt_vars, donate)
+        cache[(key, donate)] = fn
+    new_model, new_opt = fn(model_values, opt_values, list(grads))
+    for var, value in zip(model_vars, new_model):
+        var.assign(value)
+    for var, value in zip(opt_vars, new_opt):
+        var.assign(value)
+    return optimizer.iterations
+
+
+def _make_step(optimizer, variables, model_vars, opt_vars, donate):
+    def step(model_values, opt_values, grads):
+        mapping = list(zip(model_vars, model_values))
+        mapping += list(zip(opt_vars, opt_values))
+        with StatelessScope(state_mapping=mapping) as scope:
+            optimizer.apply(grads, variables)
+        return (
+            [scope.get_current_value(v) for v in model_vars],
+            [scope.get_current_value(v) for v in opt_vars],
+        )
+
+    return jax.jit(step, donate_argnums=(0, 1) if donate else ())
+
+
+def _distinct_buffers(values):
+    return len({id(v) for v in values}) == len(values)
+
+
+def compute_gradients(loss, var_list, tape=None):
+    """Gradients of a callable loss through ``jax.vjp`` over variable values.
+
+    The loss is evaluated with the variables of ``var_list`` replaced by
+    traced values (a ``StatelessScope``); a non-scalar loss is summed, as a
+    TensorFlow tape does. With a callable ``var_list`` the loss runs once
+    eagerly first, so that variables it creates exist.
+    """
+    _common.check_no_tape(tape, "jax")
+    if callable(var_list):
+        loss()
+        var_list = var_list()
+    var_list = list(var_list)
+
+    def total(values):
+        with StatelessScope(state_mapping=list(zip(var_list, values))):
+            return jnp.sum(loss())
+
+    grads = jax.grad(total)([v.value for v in var_list])
+    return list(zip(grads, var_list))
+
+
+def aggregate_gradients(optimizer, grads_and_vars):
+    """Identity: under ``keras.distribution`` gradients are already global.
+
+    A data-parallel step computes its gradient over the global batch inside
+    one jitted program; XLA inserts the all-reduce.
+    """
+    del optimizer
+    return list(grads_and_vars)
+
+
+def prepare_gradients(grads):
+    return list(grads)

@@ -1,0 +1,29 @@
+"""Typed errors raised by keras_ema_opt.
+
+Each one also derives from the built-in exception that Keras 2 or Keras 3
+raised in the same situation, so existing ``except`` clauses keep working.
+"""
+
+
+class InvalidArgumentError(ValueError):
+    """An optimizer argument has a value outside what it accepts."""
+
+
+class UnknownArgumentError(TypeError, ValueError):
+    """An optimizer was given an argument it does not know.
+
+    Keras 2 raised ``TypeError`` here and Keras 3 ``ValueError``; this error
+    is both.
+    """
+
+
+class UnknownVariableError(KeyError, ValueError):
+    """A variable the optimizer was not built for was passed to it.
+
+    Keras 2 raised ``KeyError`` here and Keras 3 ``ValueError``; this error
+    is both.
+    """
+
+    def __str__(self):
+        # KeyError quotes its argument; a sentence reads better unquoted.
+        return str(self.args[0]) if self.args else ""

@@ -1,0 +1,606 @@
+"""``Optimizer``: the Keras 2 optimizer contract on a Keras 3 optimizer.
+
+The public contract of the Keras 2 "experimental" optimizer
+(``keras/optimizers/optimizer_experimental/optimizer.py`` in Keras 2.9-2.10,
+``tf.keras.optimizers.Optimizer`` from 2.11 on, ``tf_keras`` today) carried
+onto ``keras.optimizers.Optimizer``: its constructor arguments and their
+validation, ``minimize``, ``compute_gradients``,
+``apply_gradients(skip_gradients_aggregation=)``, ``aggregate_gradients``,
+``finalize_variable_values``, ``add_variable``,
+``add_variable_from_reference``, an assignable ``iterations``,
+``learning_rate``/``lr``, ``get_config``/``from_config``, ``variables``, and
+its error messages. Update rules stay Keras 3's own.
+"""
+
+import inspect
+import numbers
+import warnings
+
+import keras
+import numpy as np
+
+from keras_ema_opt import backend
+from keras_ema_opt.errors import InvalidArgumentError
+from keras_ema_opt.errors import UnknownArgumentError
+from keras_ema_opt.errors import UnknownVariableError
+
+_CLIP_ARGS = ("clipnorm", "clipvalue", "global_clipnorm")
+# Arguments Keras 2 wrote into configs that carry no meaning any more.
+_DROPPED_ARGS = ("is_legacy_optimizer",)
+# OptimizerV2 arguments the Keras 2 experimental optimizer refused too.
+_LEGACY_ARGS = ("decay", "gradient_aggregator", "gradient_transformers")
+
+
+class CallableList(list):
+    """A list that returns itself when called (Keras 2's ``variables()``)."""
+
+    def __call__(self):
+        return self
+
+
+def _is_real_number(value):
+    if isinstance(value, bool):
+        return False
+    if isinstance(value, numbers.Real):
+        return True
+    return isinstance(value, np.ndarray) and value.ndim == 0 and (
+        np.issubdtype(value.dtype, np.floating)
+        or np.issubdtype(value.dtype, np.integer)
+    )
+
+
+def _validate_ema(use_ema, ema_momentum, ema_overwrite_frequency):
+    """Keras 2's checks of the EMA arguments, made when ``use_ema`` is set."""
+    if not use_ema:
+        return
+    if not _is_real_number(ema_momentum) or not 0 <= ema_momentum <= 1:
+        raise InvalidArgumentError(
+            "`ema_momentum` must be in the range [0, 1]. "
+            f"Received: ema_momentum={ema_momentum!r}"
+        )
+    if ema_overwrite_frequency is not None and (
+        isinstance(ema_overwrite_frequency, bool)
+        or not isinstance(ema_overwrite_frequency, (int, np.integer))
+        or ema_overwrite_frequency < 1
+    ):
+        raise InvalidArgumentError(
+            "`ema_overwrite_frequency` must be an integer >= 1 or None. "
+            f"Received: ema_overwrite_frequency={ema_overwrite_frequency!r}"
+        )
+
+
+def _validate_clipping(clipnorm, global_clipnorm):
+    if clipnorm is not None and global_clipnorm is not None:
+        raise InvalidArgumentError(
+            "At most one of `clipnorm` and `global_clipnorm` can "
+            f"be set. Received: clipnorm={clipnorm!r}, "
+            f"global_clipnorm={global_clipnorm!r}."
+        )
+
+
+def _take_lr_alias(arguments, cls_name):
+    """Keras 2's ``lr=`` spelling of ``learning_rate``, with a warning."""
+    if "lr" not in arguments:
+        return
+    lr = arguments.pop("lr")
+    if "learning_rate" in arguments:
+        raise InvalidArgumentError(
+            f"{cls_name} received both `lr={lr!r}` and "
+            f"`learning_rate={arguments['learning_rate']!r}`. `lr` is the "
+            "deprecated Keras 2 name of `learning_rate`: pass only "
+            "`learning_rate`."
+        )
+    warnings.warn(
+        "`lr` is deprecated, please use `learning_rate` instead. "
+        f"Received: lr={lr!r}.",
+        DeprecationWarning,
+        stacklevel=4,
+    )
+    arguments["learning_rate"] = lr
+
+
+def _check_known(cls_name, arguments, accepted):
+    unknown = sorted(k for k in arguments if k not in accepted)
+    if not unknown:
+        return
+    legacy = [k for k in unknown if k in _LEGACY_ARGS]
+    hint = ""
+    if legacy:
+        hint = (
+            f" {legacy} are Keras 2 OptimizerV2 arguments that the Keras 2 "
+            "optimizer refused as well."
+        )
+    received = {k: arguments[k] for k in unknown}
+    raise UnknownArgumentError(
+        f"{cls_name} does not accept the argument(s) {received}.{hint} "
+        f"Accepted arguments: {', '.join(sorted(accepted))}."
+    )
+
+
+class Optimizer(backend.OptimizerHooks, keras.optimizers.Optimizer):
+    """Base class: a Keras 3 optimizer with the Keras 2 optimizer contract.
+
+    Subclass it exactly as ``keras.optimizers.Optimizer`` (``build``,
+    ``update_step(gradient, variable, learning_rate)``, ``get_config``); the
+    named optimizers (``keras_ema_opt.Adam``, ...) are Keras' own classes
+    with this contract added.
+
+    Args:
+        learning_rate: A float, a
+            ``keras.optimizers.schedules.LearningRateSchedule``, or a
+            callable taking no arguments. Integers and NumPy scalars are
+            accepted and stored as floats.
+        weight_decay: Float or ``None``. Decoupled weight decay.
+        clipnorm: Float or ``None``. Clip each gradient to this norm.
+        clipvalue: Float or ``None``. Clip each gradient element to
+            ``[-clipvalue, clipvalue]``.
+        global_clipnorm: Float or ``None``. Clip all gradients together to
+            this global norm. Not together with ``clipnorm``. When several
+            clipping arguments are set, the first of ``clipnorm``,
+            ``global_clipnorm``, ``clipvalue`` applies, as in Keras 2.
+        use_ema: Bool. Keep an exponential moving average of the weights.
+        ema_momentum: Float in ``[0, 1]``, the EMA momentum.
+        ema_overwrite_frequency: Int ``>= 1`` or ``None``: every so many
+            iterations, overwrite the weights with their average.
+        loss_scale_factor: Float or ``None`` (Keras 3).
+        gradient_accumulation_steps: Int ``>= 2`` or ``None`` (Keras 3).
+        name: String, the name of the optimizer and prefix of its variables.
+        jit_compile: Bool, default ``True`` as in Keras 2. When
+            ``apply_gradients`` is called eagerly, run the update compiled:
+            with ``jax.jit`` on JAX (old buffers donated); with XLA on
+            TensorFlow where a GPU is present (Keras 2 turns it off
+            elsewhere, and so do we); on PyTorch the update always runs
+            eagerly with Keras' multi-tensor kernels and the attribute reads
+            ``False``. Inside ``fit()`` or a compiled custom step the caller's
+            compilation applies. ``optimizer.jit_compile`` tells the value in
+            effect.
+
+    Example:
+
+    ```python
+    import keras
+    import keras_ema_opt
+
+    class PlainSGD(keras_ema_opt.Optimizer):
+        def update_step(self, gradient, variable, learning_rate):
+            lr = keras.ops.cast(learning_rate, variable.dtype)
+            self.assign_sub(variable, keras.ops.multiply(gradient, lr))
+
+    w = keras.Variable([1.0, 2.0])
+    opt = PlainSGD(learning_rate=0.1)
+    opt.minimize(lambda: keras.ops.sum(w * w), [w])
+    # w is now [0.8, 1.6]
+    ```
+    """
+
+    def __init__(
+        self,
+        learning_rate,
+        weight_decay=None,
+        clipnorm=None,
+        clipvalue=None,
+        global_clipnorm=None,
+        use_ema=False,
+        ema_momentum=0.99,
+        ema_overwrite_frequency=None,
+        loss_scale_factor=None,
+        gradient_accumulation_steps=None,
+        name=None,
+        jit_compile=True,
+        **kwargs,
+    ):
+        arguments = dict(
+            learning_rate=learning_rate,
+            weight_decay=weight_decay,
+            clipnorm=clipnorm,
+            clipvalue=clipvalue,
+            global_clipnorm=global_clipnorm,
+            use_ema=use_ema,
+            ema_momentum=ema_momentum,
+            ema_overwrite_frequency=ema_overwrite_frequency,
+            loss_scale_factor=loss_scale_factor,
+            gradient_accumulation_steps=gradient_accumulation_steps,
+            name=name,
+            jit_compile=jit_compile,
+            **kwargs,
+        )
+        self._construct(
+            keras.optimizers.Optimizer.__init__,
+            arguments,
+            inspect.signature(Optimizer.__init__),
+        )
+
+    # ------------------------------------------------------------------
+    # Construction
+    # ------------------------------------------------------------------
+
+    def _construct(self, keras_init, arguments, signature):
+        """Validate ``arguments`` as Keras 2 does, then run ``keras_init``.
+
+        ``signature`` is the public signature of the class being built (the
+        Keras class for named optimizers); its parameters and
+        ``jit_compile`` are the accepted arguments.
+        """
+        cls_name = type(self).__name__
+        arguments = dict(arguments)
+        for key in _DROPPED_ARGS:
+            arguments.pop(key, None)
+        _take_lr_alias(arguments, cls_name)
+        jit_compile = arguments.pop("jit_compile", True)
+        _check_known(cls_name, arguments, _accepted_arguments(signature))
+        defaults = _defaults(signature)
+        value = lambda k: arguments.get(k, defaults.get(k))  # noqa: E731
+        _validate_ema(
+            value("use_ema"),
+            value("ema_momentum"),
+            value("ema_overwrite_frequency"),
+        )
+        _validate_clipping(value("clipnorm"), value("global_clipnorm"))
+        clipping = {k: arguments.pop(k, None) for k in _CLIP_ARGS}
+        if _is_real_number(arguments.get("learning_rate")):
+            arguments["learning_rate"] = float(arguments["learning_rate"])
+        keras_init(self, **arguments)
+        # Keras 3 refuses clipnorm with clipvalue; Keras 2 let clipnorm win.
+        for key, clip in clipping.items():
+            setattr(self, key, clip)
+        self._jit_compile_requested = bool(jit_compile)
+        self.jit_compile = backend.resolve_jit_compile(jit_compile)
+        self._gradients_aggregated = False
+
+    def get_config(self):
+        config = super().get_config()
+        config["jit_compile"] = self.jit_compile
+        return config
+
+    @classmethod
+    def from_config(cls, config, custom_objects=None):
+        """Build an optimizer from ``get_config()``'s output.
+
+        Keras 2 configs work too: ``is_legacy_optimizer`` is dropped and
+        serialized learning-rate schedules are rebuilt.
+        """
+        return super().from_config(dict(config), custom_objects=custom_objects)
+
+    # ------------------------------------------------------------------
+    # iterations, learning rate
+    # ------------------------------------------------------------------
+
+    @property
+    def iterations(self):
+        """The number of optimizer steps taken (a scalar integer variable).
+
+        Assignable before the optimizer is built: an integer sets the count;
+        an integer ``keras.Variable`` replaces the counter (so optimizers can
+        share one, as in Keras 2). After ``build`` it raises ``RuntimeError``.
+        """
+        return super().iterations
+
+    @iterations.setter
+    def iterations(self, value):
+        if self.built:
+            raise RuntimeError(
+                "Cannot set `iterations` to a new Variable after "
+                "the Optimizer weights have been created. Here it is "
+                f"attempting to set `iterations` to {value}. "
+                "Usually this means you are trying to set `iterations`"
+                " after calling `apply_gradients()`. Please set "
+                "`iterations` before calling `apply_gradients()`."
+            )
+        if isinstance(value, keras.Variable):
+            if "int" not in str(value.dtype) or tuple(value.shape) != ():
+                raise InvalidArgumentError(
+                    "`iterations` must be a scalar integer variable. "
+                    f"Received: a variable of dtype {value.dtype} and shape "
+                    f"{tuple(value.shape)}."
+                )
+            self._tracker.replace_tracked_value(
+                "variables", self._iterations, value
+            )
+            self._iterations = value
+            return
+        if not (_is_real_number(value) and float(value) == int(value)):
+            raise InvalidArgumentError(
+                "`iterations` must be an integer or a scalar integer "
+                f"`keras.Variable`. Received: {value!r}."
+            )
+        steps = self.gradient_accumulation_steps or 1
+        self._iterations.assign(int(value) * steps)
+
+    @property
+    def lr(self):
+        """Alias of ``learning_rate`` (Keras 2)."""
+        return self.learning_rate
+
+    @lr.setter
+    def lr(self, learning_rate):
+        self.learning_rate = learning_rate
+
+    @property
+    def learning_rate(self):
+        """The current learning rate (a schedule is evaluated at ``iterations``).
+
+        Assign a float, or a schedule. Assigning a float to an optimizer
+        created with a ``LearningRateSchedule`` raises ``TypeError``.
+        """
+        return self._get_current_learning_rate()
+
+    @learning_rate.setter
+    def learning_rate(self, learning_rate):
+        if _is_real_number(learning_rate):
+            learning_rate = float(learning_rate)
+        keras.optimizers.Optimizer.learning_rate.fset(self, learning_rate)
+
+    @property
+    def variables(self):
+        """All optimizer variables, ``iterations`` first; callable as in Keras 2."""
+        return CallableList(self._variables)
+
+    # ------------------------------------------------------------------
+    # Variables
+    # ------------------------------------------------------------------
+
+    def add_variable(
+        self,
+        shape=None,
+        dtype=None,
+        initializer="zeros",
+        name=None,
+        *,
+        aggregation="none",
+        layout=None,
+    ):
+        """Create an optimizer variable (Keras 2 argument order).
+
+        Args:
+            shape: Shape of the variable; ``None`` means a scalar.
+            dtype: Dtype; defaults to ``keras.config.floatx()``.
+            initializer: Initializer name, instance or callable.
+            name: Name of the variable.
+            aggregation: Keras 3 replica aggregation (keyword only).
+            layout: Keras 3 tensor layout (keyword only).
+
+        Returns:
+            A ``keras.Variable``, tracked in ``optimizer.variables``.
+        """
+        return super().add_variable(
+            shape=() if shape is None else shape,
+            initializer=initializer,
+            dtype=dtype,
+            aggregation=aggregation,
+            layout=layout,
+            name=name,
+        )
+
+    def add_variable_from_reference(
+        self,
+        model_variable=None,
+        variable_name=None,
+        shape=None,
+        initial_value=None,
+        *,
+        reference_variable=None,
+        name=None,
+        initializer="zeros",
+    ):
+        """Create an optimizer variable shaped like a model variable.
+
+        Accepts Keras 2's ``(model_variable, variable_name, shape=None,
+        initial_value=None)`` and Keras 3's ``(reference_variable, name,
+        initializer)`` spellings.
+
+        Args:
+            model_variable: The model variable (Keras 2 name).
+            variable_name: Name prefix (Keras 2 name).
+            shape: A shape other than the model variable's.
+            initial_value: A value (array, tensor or variable) to start from;
+                by default zeros (or ``initializer``).
+            reference_variable: The model variable (Keras 3 name).
+            name: Name prefix (Keras 3 name).
+            initializer: Initializer when no ``initial_value`` is given.
+
+        Returns:
+            A ``keras.Variable`` placed beside the model variable.
+        """
+        ref = model_variable if model_variable is not None else reference_variable
+        if ref is None:
+            raise InvalidArgumentError(
+                "add_variable_from_reference() needs the model variable, as "
+                "`model_variable` (Keras 2) or `reference_variable` (Keras 3)."
+                " Received neither."
+            )
+        prefix = variable_name if variable_name is not None else name
+        ref_shape = tuple(ref.shape)
+        target = ref_shape if shape is None else tuple(shape)
+        if initial_value is not None:
+            initializer = _value_initializer(initial_value, target, ref)
+        if target == ref_shape:
+            return super().add_variable_from_reference(
+                ref, name=prefix, initializer=initializer
+            )
+        path = getattr(ref, "path", None) or str(ref.name)
+        with backend.colocate_with(ref):
+            return self.add_variable(
+                shape=target,
+                dtype=ref.dtype,
+                initializer=initializer,
+                name=f"{path.replace('/', '_').replace(':', '_')}_"
+                f"{prefix or 'var'}",
+            )
+
+    def _check_variables_are_known(self, variables):
+        for v in variables:
+            if self._var_key(v) not in self._trainable_variables_indices:
+                raise UnknownVariableError(
+                    "The optimizer cannot recognize variable "
+                    f"{getattr(v, 'path', v.name)}. This usually means you "
+                    "are trying to call the optimizer to update different "
+                    "parts of the model separately. Please call "
+                    "`optimizer.build(variables)` with the full list of "
+                    "trainable variables before the training loop, or use a "
+                    "new optimizer instance for each set of variables."
+                )
+
+    # ------------------------------------------------------------------
+    # Gradients
+    # ------------------------------------------------------------------
+
+    def compute_gradients(self, loss, var_list, tape=None):
+        """Compute gradients of ``loss`` with respect to ``var_list``.
+
+        Args:
+            loss: A callable taking no arguments and returning the value to
+                minimize (every backend), or, on TensorFlow, a tensor
+                computed under ``tape``. A non-scalar loss is summed.
+            var_list: Variables, or a callable returning them (called after
+                ``loss``, so variables the loss creates are included).
+            tape: A ``tf.GradientTape`` (TensorFlow only): required with a
+                tensor ``loss``.
+
+        Returns:
+            A list of ``(gradient, variable)`` pairs; a gradient may be
+            ``None`` where the loss does not depend on the variable.
+        """
+        if not callable(loss) and tape is None:
+            raise ValueError(
+                "`tape` is required when a `Tensor` loss is passed. "
+                f"Received: loss={loss}, tape={tape}."
+            )
+        return backend.compute_gradients(loss, var_list, tape)
+
+    def minimize(self, loss, var_list, tape=None):
+        """``compute_gradients`` then ``apply_gradients``.
+
+        Example:
+
+        ```python
+        w = keras.Variable(3.0)
+        opt = keras_ema_opt.SGD(learning_rate=0.5)
+        opt.minimize(lambda: w * w, [w])  # w: 3 - 0.5 * 6 = 0.0
+        ```
+        """
+        grads_and_vars = self.compute_gradients(loss, var_list, tape)
+        return self.apply_gradients(grads_and_vars)
+
+    def aggregate_gradients(self, grads_and_vars):
+        """Sum gradients over replicas (identity outside a distribution).
+
+        On TensorFlow: the sum over the replicas of the current
+        ``tf.distribute`` strategy; on PyTorch: over the ranks of a running
+        ``torch.distributed`` process group; on JAX gradients of a
+        distributed step are already global. Override it to aggregate
+        differently.
+
+        Returns:
+            A list of ``(gradient, variable)`` pairs.
+        """
+        return backend.aggregate_gradients(self, grads_and_vars)
+
+    def apply_gradients(
+        self,
+        grads_and_vars,
+        name=None,
+        skip_gradients_aggregation=False,
+        **kwargs,
+    ):
+        """Apply gradients to variables.
+
+        Args:
+            grads_and_vars: Iterable of ``(gradient, variable)`` pairs.
+            name: Accepted for Keras 2 compatibility (name scope).
+            skip_gradients_aggregation: If ``True``, gradients are not summed
+                over replicas here: the caller has aggregated them.
+            **kwargs: ``experimental_aggregate_gradients`` (the Keras 2
+                inverse of ``skip_gradients_aggregation``).
+
+        Returns:
+            The ``iterations`` variable.
+        """
+        aggregate = kwargs.pop("experimental_aggregate_gradients", True)
+        if kwargs:
+            raise UnknownArgumentError(
+                f"apply_gradients() does not accept {sorted(kwargs)}. "
+                "Accepted: grads_and_vars, name, skip_gradients_aggregation, "
+                "experimental_aggregate_gradients."
+            )
+        grads_and_vars = list(grads_and_vars)
+        if not grads_and_vars:
+            return self._iterations
+        if aggregate and not skip_gradients_aggregation:
+            grads_and_vars = self.aggregate_gradients(grads_and_vars)
+        grads = [g for g, _ in grads_and_vars]
+        variables = [v for _, v in grads_and_vars]
+        self._gradients_aggregated = True
+        try:
+            with keras.name_scope(name or self.name):
+                backend.compiled_apply(self, grads, variables)
+        finally:
+            self._gradients_aggregated = False
+        return self._iterations
+
+    def apply(self, grads, trainable_variables=None):
+        """Keras 3's ``apply``, with sparse duplicate indices summed first."""
+        grads = backend.prepare_gradients(grads)
+        return super().apply(grads, trainable_variables)
+
+    # ------------------------------------------------------------------
+    # Averages
+    # ------------------------------------------------------------------
+
+    def finalize_variable_values(self, var_list):
+        """Write the moving averages into ``var_list`` (when ``use_ema``).
+
+        Keras 2 semantics: each variable is matched to its average by
+        identity, so any subset of the trained variables may be passed.
+        Each variable gets a buffer of its own (Keras 3.15 shared one on JAX,
+        which broke a second ``fit()``).
+        """
+        if not self.use_ema or not self.built:
+            return
+        for var in var_list:
+            if self._var_key(var) not in self._trainable_variables_indices:
+                continue
+            average = self._model_variables_moving_average[
+                self._get_variable_index(var)
+            ]
+            if average is not None:
+                backend.assign_copy(self, var, average)
+
+    # Keras 2 subclasses index their slots with `self._index_dict`.
+    @property
+    def _index_dict(self):
+        return self._trainable_variables_indices
+
+
+def _value_initializer(initial_value, shape, ref):
+    value = initial_value
+    if isinstance(value, keras.Variable):
+        value = value.value
+    value_shape = tuple(keras.ops.shape(value))
+    if value_shape != tuple(shape):
+        raise InvalidArgumentError(
+            "`initial_value` must have the shape of the variable created "
+            f"from {getattr(ref, 'path', ref.name)}, {tuple(shape)}. "
+            f"Received a value of shape {value_shape}."
+        )
+
+    def initializer(shape, dtype=None):
+        return keras.ops.cast(keras.ops.copy(value), dtype or ref.dtype)
+
+    return initializer
+
+
+def _accepted_arguments(signature):
+    names = {
+        p.name
+        for p in signature.parameters.values()
+        if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL) and p.name != "self"
+    }
+    return names | {"jit_compile", "lr"}
+
+
+def _defaults(signature):
+    return {
+        p.name: p.default
+        for p in signature.parameters.values()
+        if p.default is not inspect.Parameter.empty
+    }
