@@ -18,6 +18,7 @@ import warnings
 
 import keras
 import numpy as np
+from keras.src.utils import tracking
 
 from keras_ema_opt import backend
 from keras_ema_opt.errors import InvalidArgumentError
@@ -545,6 +546,56 @@ class Optimizer(backend.OptimizerHooks, keras.optimizers.Optimizer):
     # ------------------------------------------------------------------
     # Averages
     # ------------------------------------------------------------------
+
+    def build(self, variables):
+        """Create the optimizer state for ``variables``.
+
+        With ``use_ema``, each average starts as a copy of its variable, as in
+        Keras 2 (Keras 3 starts from zeros and skips the first step), and is
+        created before the other slots, where Keras 3 puts it.
+        """
+        if self.built:
+            return
+        averages = None
+        if self.use_ema:
+            averages = [
+                None
+                if self._overwrite_variable_with_gradient(v)
+                else self.add_variable_from_reference(
+                    v, "average", initial_value=v
+                )
+                for v in variables
+            ]
+        use_ema, self.use_ema = self.use_ema, False
+        try:
+            super().build(variables)
+        finally:
+            self.use_ema = use_ema
+        if averages is not None:
+            # A plain list, as Keras' own `build` keeps it (the variables are
+            # already tracked one by one).
+            with tracking.DotNotTrackScope():
+                self._model_variables_moving_average = averages
+
+    def _update_model_variables_moving_average(self, trainable_variables):
+        """Keras 2's update ``a <- m * a + (1 - m) * w``, after each step."""
+        if not self.use_ema:
+            return
+        for var, average in zip(
+            trainable_variables, self._model_variables_moving_average
+        ):
+            if average is None:
+                continue
+            m = keras.ops.cast(self.ema_momentum, average.dtype)
+            average.assign(
+                keras.ops.add(
+                    keras.ops.multiply(m, average),
+                    keras.ops.multiply(
+                        keras.ops.subtract(1, m),
+                        keras.ops.cast(var, average.dtype),
+                    ),
+                )
+            )
 
     def finalize_variable_values(self, var_list):
         """Write the moving averages into ``var_list`` (when ``use_ema``).

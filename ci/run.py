@@ -1,0 +1,139 @@
+#!/usr/bin/env python3
+"""Set up a virtual environment from nothing, then run the tests or the example.
+
+    python3 ci/run.py test      # the test suite, once per Keras backend
+    python3 ci/run.py example   # the runnable example (the main job)
+
+Only a Python >= 3.10 with ``venv`` is needed. The environment lives in
+``.venv/`` (``--venv`` to move it) and is reinstalled when ``pyproject.toml``
+or ``ci/constraints.txt`` change. The test command runs pytest in a separate
+process per backend (``KERAS_BACKEND=jax|tensorflow|torch``) and ends with one
+line ``N passed, N failed, N skipped``; its exit status is non-zero when any
+test failed or a backend's run broke.
+"""
+
+import argparse
+import hashlib
+import os
+import subprocess
+import sys
+import time
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+BACKENDS = ("jax", "tensorflow", "torch")
+INPUTS = ("pyproject.toml", "ci/constraints.txt")
+
+
+def venv_python(venv):
+    return venv / ("Scripts/python.exe" if os.name == "nt" else "bin/python")
+
+
+def ensure_venv(venv):
+    """Create ``venv`` and install the package with every extra, if stale."""
+    stamp = venv / ".keras-ema-opt-stamp"
+    digest = hashlib.sha256(
+        b"".join((ROOT / p).read_bytes() for p in INPUTS)
+    ).hexdigest()
+    if stamp.exists() and stamp.read_text() == digest:
+        return venv_python(venv)
+    if not venv_python(venv).exists():
+        log(f"creating virtual environment {venv}")
+        subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+    python = str(venv_python(venv))
+    log("installing keras-ema-opt[all] with ci/constraints.txt")
+    pip = [python, "-m", "pip", "install", "--disable-pip-version-check", "-q"]
+    subprocess.run(pip + ["--upgrade", "pip"], check=True)
+    subprocess.run(
+        pip + ["-c", str(ROOT / "ci/constraints.txt"), "-e", f"{ROOT}[all]"],
+        check=True,
+    )
+    stamp.write_text(digest)
+    return venv_python(venv)
+
+
+def log(message):
+    print(f"[ci] {message}", flush=True)
+
+
+def backend_env(backend):
+    env = dict(os.environ)
+    env.update(
+        KERAS_BACKEND=backend,
+        TF_CPP_MIN_LOG_LEVEL="2",
+        PYTHONHASHSEED="0",
+        XLA_FLAGS=env.get("XLA_FLAGS", ""),
+    )
+    return env
+
+
+def count(junit):
+    """(passed, failed, skipped) from a pytest JUnit XML file."""
+    if not junit.exists():
+        return 0, 0, 0
+    suites = ET.parse(junit).getroot()
+    suites = [suites] if suites.tag == "testsuite" else list(suites)
+    total = failed = skipped = 0
+    for s in suites:
+        total += int(s.get("tests", 0))
+        failed += int(s.get("failures", 0)) + int(s.get("errors", 0))
+        skipped += int(s.get("skipped", 0))
+    return total - failed - skipped, failed, skipped
+
+
+def run_tests(python, backends, pytest_args):
+    results = ROOT / ".ci-results"
+    results.mkdir(exist_ok=True)
+    passed = failed = skipped = 0
+    broken = []
+    for backend in backends:
+        junit = results / f"{backend}.xml"
+        junit.unlink(missing_ok=True)
+        log(f"pytest, KERAS_BACKEND={backend}")
+        start = time.monotonic()
+        code = subprocess.run(
+            [str(python), "-m", "pytest", "tests", "-p", "no:cacheprovider",
+             f"--junitxml={junit}", *pytest_args],
+            cwd=ROOT,
+            env=backend_env(backend),
+        ).returncode
+        p, f, s = count(junit)
+        log(f"{backend}: {p} passed, {f} failed, {s} skipped "
+            f"in {time.monotonic() - start:.0f}s (pytest exit {code})")
+        if code not in (0, 1) or (code == 1 and f == 0):
+            broken.append(backend)
+        passed, failed, skipped = passed + p, failed + f, skipped + s
+    if broken:
+        log(f"pytest broke before reporting on: {', '.join(broken)}")
+        failed += len(broken)
+    print(f"{passed} passed, {failed} failed, {skipped} skipped", flush=True)
+    return 0 if failed == 0 and passed > 0 else 1
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("command", choices=("test", "example"))
+    parser.add_argument("--venv", type=Path, default=ROOT / ".venv")
+    parser.add_argument(
+        "--backends", default=",".join(BACKENDS),
+        help="comma-separated Keras backends (default: all three)",
+    )
+    args, rest = parser.parse_known_args(argv)
+    python = ensure_venv(args.venv.resolve())
+    backends = [b for b in args.backends.split(",") if b]
+    if args.command == "test":
+        return run_tests(python, backends, rest)
+    for backend in backends:
+        log(f"examples/quickstart.py, KERAS_BACKEND={backend}")
+        code = subprocess.run(
+            [str(python), str(ROOT / "examples/quickstart.py"), *rest],
+            env=backend_env(backend),
+        ).returncode
+        if code:
+            return code
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

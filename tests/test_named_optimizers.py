@@ -1,0 +1,101 @@
+"""Every named optimizer equals Keras' own on the same gradients, and its
+EMA equals the Keras 2 closed form over the weight trajectory."""
+
+import keras
+import numpy as np
+import pytest
+from conftest import to_numpy
+from tables import NAMES
+from tables import OPTIMIZERS
+from tables import gradients
+from tables import initial_weights
+
+import keras_ema_opt
+
+STEPS = 5
+
+
+def _run(optimizer, steps=STEPS, record=False):
+    variables = [keras.Variable(w) for w in initial_weights()]
+    trajectory = [[w.copy() for w in initial_weights()]]
+    for grads in gradients(steps):
+        optimizer.apply_gradients(
+            zip([keras.ops.convert_to_tensor(g) for g in grads], variables)
+        )
+        if record:
+            trajectory.append([to_numpy(v) for v in variables])
+    return variables, trajectory
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_five_steps_equal_keras(name):
+    ours, _ = _run(getattr(keras_ema_opt, name)(**OPTIMIZERS[name]))
+    theirs, _ = _run(getattr(keras.optimizers, name)(**OPTIMIZERS[name]))
+    for a, b in zip(ours, theirs):
+        np.testing.assert_allclose(
+            to_numpy(a), to_numpy(b), rtol=1e-6, atol=1e-6
+        )
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_five_steps_equal_keras_with_clipping_and_decay(name):
+    kwargs = dict(OPTIMIZERS[name], global_clipnorm=0.5)
+    if name != "AdamW":
+        kwargs["weight_decay"] = 0.004
+    ours, _ = _run(getattr(keras_ema_opt, name)(**kwargs))
+    theirs, _ = _run(getattr(keras.optimizers, name)(**kwargs))
+    for a, b in zip(ours, theirs):
+        np.testing.assert_allclose(
+            to_numpy(a), to_numpy(b), rtol=1e-6, atol=1e-6
+        )
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_ema_is_the_keras2_closed_form(name):
+    """a_T = m^T w_0 + sum_t (1 - m) m^(T - t) w_t, in float64 by hand."""
+    m = 0.75
+    opt = getattr(keras_ema_opt, name)(
+        **OPTIMIZERS[name], use_ema=True, ema_momentum=m
+    )
+    variables, trajectory = _run(opt, record=True)
+    T = len(trajectory) - 1
+    for i, var in enumerate(variables):
+        ws = [np.asarray(step[i], dtype=np.float64) for step in trajectory]
+        expected = m**T * ws[0] + sum(
+            (1 - m) * m ** (T - t) * ws[t] for t in range(1, T + 1)
+        )
+        np.testing.assert_allclose(
+            to_numpy(opt.average_of(var)) if hasattr(opt, "average_of")
+            else to_numpy(opt._model_variables_moving_average[i]),
+            expected,
+            rtol=1e-5,
+            atol=1e-6,
+        )
+        # The EMA leaves the weights themselves on Keras' trajectory.
+    plain, _ = _run(getattr(keras.optimizers, name)(**OPTIMIZERS[name]))
+    for a, b in zip(variables, plain):
+        np.testing.assert_allclose(
+            to_numpy(a), to_numpy(b), rtol=1e-6, atol=1e-6
+        )
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_config_round_trip(name):
+    schedule = keras.optimizers.schedules.ExponentialDecay(0.1, 10, 0.9)
+    kwargs = dict(OPTIMIZERS[name], learning_rate=schedule, use_ema=True,
+                  ema_momentum=0.9, ema_overwrite_frequency=3, clipnorm=1.0)
+    opt = getattr(keras_ema_opt, name)(**kwargs)
+    config = opt.get_config()
+    again = type(opt).from_config(config)
+    assert type(again) is type(opt)
+    assert again.get_config() == config
+    assert isinstance(
+        again._learning_rate, keras.optimizers.schedules.ExponentialDecay
+    )
+    # Through Keras' own serialization, as `.keras` files store it.
+    blob = keras.saving.serialize_keras_object(opt)
+    assert blob["class_name"] == name
+    assert blob["registered_name"] == f"keras_ema_opt>{name}"
+    revived = keras.saving.deserialize_keras_object(blob)
+    assert type(revived) is type(opt)
+    assert revived.get_config() == config
