@@ -1,0 +1,533 @@
+"""The Keras 2 optimizer contract, rule by rule, with each error's text."""
+
+import re
+import warnings
+
+import keras
+import numpy as np
+import pytest
+from conftest import BACKEND
+from conftest import only_on
+from conftest import to_numpy
+
+import keras_ema_opt
+from keras_ema_opt.errors import InvalidArgumentError
+from keras_ema_opt.errors import UnknownArgumentError
+from keras_ema_opt.errors import UnknownVariableError
+
+
+def _var(values):
+    return keras.Variable(np.asarray(values, dtype="float32"))
+
+
+def _step(opt, variables, grads=None):
+    grads = grads or [keras.ops.ones(tuple(v.shape)) for v in variables]
+    return opt.apply_gradients(zip(grads, variables))
+
+
+# ---------------------------------------------------------------------------
+# Constructor
+# ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("momentum", [-0.1, 1.5, "0.9", None])
+def test_ema_momentum_outside_0_1_is_refused(momentum):
+    with pytest.raises(
+        InvalidArgumentError,
+        match=re.escape(
+            "`ema_momentum` must be in the range [0, 1]. "
+            f"Received: ema_momentum={momentum!r}"
+        ),
+    ):
+        keras_ema_opt.Adam(use_ema=True, ema_momentum=momentum)
+
+
+def test_ema_arguments_are_only_checked_with_use_ema():
+    # Keras 2 validates them only when `use_ema=True`.
+    opt = keras_ema_opt.SGD(ema_momentum=3.0, ema_overwrite_frequency=0)
+    assert opt.ema_momentum == 3.0
+
+
+@pytest.mark.parametrize("frequency", [0, -2, 2.5, True, "3"])
+def test_ema_overwrite_frequency_must_be_int_at_least_1(frequency):
+    with pytest.raises(
+        InvalidArgumentError,
+        match=re.escape(
+            "`ema_overwrite_frequency` must be an integer >= 1 or None. "
+            f"Received: ema_overwrite_frequency={frequency!r}"
+        ),
+    ):
+        keras_ema_opt.SGD(use_ema=True, ema_overwrite_frequency=frequency)
+
+
+def test_clipnorm_and_global_clipnorm_not_both():
+    with pytest.raises(
+        InvalidArgumentError,
+        match=re.escape(
+            "At most one of `clipnorm` and `global_clipnorm` can be set. "
+            "Received: clipnorm=1.0, global_clipnorm=2.0."
+        ),
+    ):
+        keras_ema_opt.Adam(clipnorm=1.0, global_clipnorm=2.0)
+
+
+def test_clipnorm_with_clipvalue_is_accepted_and_clipnorm_wins():
+    # Keras 3 refuses the pair; Keras 2 accepted it and clipped by norm.
+    both = keras_ema_opt.SGD(learning_rate=1.0, clipnorm=1.0, clipvalue=0.1)
+    norm = keras_ema_opt.SGD(learning_rate=1.0, clipnorm=1.0)
+    a, b = _var([0.0, 0.0]), _var([0.0, 0.0])
+    g = keras.ops.convert_to_tensor(np.array([3.0, 4.0], "float32"))
+    both.apply_gradients([(g, a)])
+    norm.apply_gradients([(g, b)])
+    np.testing.assert_allclose(to_numpy(a), [-0.6, -0.8], rtol=1e-6)
+    np.testing.assert_allclose(to_numpy(a), to_numpy(b))
+
+
+def test_unknown_argument_lists_the_accepted_ones():
+    with pytest.raises(UnknownArgumentError) as info:
+        keras_ema_opt.Adam(learning_rate=0.1, betta_1=0.5)
+    message = str(info.value)
+    assert "Adam does not accept the argument(s) {'betta_1': 0.5}" in message
+    assert "Accepted arguments: amsgrad, beta_1, beta_2" in message
+    assert "jit_compile" in message
+    # Keras 2 raised TypeError here, Keras 3 ValueError: both still catch it.
+    assert isinstance(info.value, TypeError)
+    assert isinstance(info.value, ValueError)
+
+
+@pytest.mark.parametrize(
+    "legacy", ["decay", "gradient_aggregator", "gradient_transformers"]
+)
+def test_optimizer_v2_arguments_are_refused_with_a_hint(legacy):
+    with pytest.raises(UnknownArgumentError, match="Keras 2 OptimizerV2"):
+        keras_ema_opt.SGD(**{legacy: 0.1})
+
+
+def test_lr_is_the_deprecated_spelling_of_learning_rate():
+    with pytest.warns(DeprecationWarning, match="`lr` is deprecated"):
+        opt = keras_ema_opt.SGD(lr=0.25)
+    assert float(to_numpy(opt.learning_rate)) == 0.25
+    with pytest.raises(InvalidArgumentError, match="both `lr=0.1`"):
+        keras_ema_opt.SGD(lr=0.1, learning_rate=0.2)
+
+
+def test_is_legacy_optimizer_is_dropped():
+    opt = keras_ema_opt.Adam(learning_rate=0.1, is_legacy_optimizer=False)
+    assert "is_legacy_optimizer" not in opt.get_config()
+
+
+@pytest.mark.parametrize("lr", [1, np.float32(0.5), np.array(0.25), 0.125])
+def test_learning_rate_accepts_any_real_number(lr):
+    # Keras 3 refuses ints and NumPy float32; Keras 2 took them.
+    opt = keras_ema_opt.SGD(learning_rate=lr)
+    assert float(to_numpy(opt.learning_rate)) == float(lr)
+
+
+def test_positional_arguments_follow_the_keras_signature():
+    opt = keras_ema_opt.Adam(0.01, 0.8)
+    assert opt.beta_1 == 0.8
+    with pytest.raises(TypeError):
+        keras_ema_opt.SGD(0.1, 0.0, False, None, None, None, None, False,
+                          0.99, None, None, None, "name", "extra")
+
+
+def test_jit_compile_in_effect_per_backend():
+    opt = keras_ema_opt.Adam(jit_compile=True)
+    expected = {"jax": True, "torch": False}.get(BACKEND)
+    if BACKEND == "tensorflow":
+        import tensorflow as tf
+
+        # Keras 2: XLA only where a GPU is found.
+        expected = bool(tf.config.list_physical_devices("GPU"))
+    assert opt.jit_compile is expected
+    assert keras_ema_opt.Adam(jit_compile=False).jit_compile is False
+    assert opt.get_config()["jit_compile"] is expected
+
+
+# ---------------------------------------------------------------------------
+# iterations and learning rate
+# ---------------------------------------------------------------------------
+
+
+def test_iterations_assignable_before_build():
+    opt = keras_ema_opt.SGD(learning_rate=0.1)
+    opt.iterations = 5
+    w = _var([1.0])
+    _step(opt, [w])
+    assert int(to_numpy(opt.iterations)) == 6
+
+
+def test_iterations_variable_replaces_the_counter_in_place():
+    shared = keras.Variable(10, dtype="int64" if BACKEND != "jax" else "int32",
+                            trainable=False)
+    opt = keras_ema_opt.Adam(learning_rate=0.1)
+    opt.iterations = shared
+    assert opt.iterations is shared
+    assert opt.variables[0] is shared
+    _step(opt, [_var([1.0])])
+    assert int(to_numpy(shared)) == 11
+
+
+def test_iterations_not_assignable_after_build():
+    opt = keras_ema_opt.SGD(learning_rate=0.1)
+    _step(opt, [_var([1.0])])
+    with pytest.raises(
+        RuntimeError,
+        match=re.escape(
+            "Cannot set `iterations` to a new Variable after the Optimizer "
+            "weights have been created. Here it is attempting to set "
+            "`iterations` to 3."
+        ),
+    ):
+        opt.iterations = 3
+
+
+@pytest.mark.parametrize("value", [1.5, "2", [1]])
+def test_iterations_refuses_non_integers(value):
+    opt = keras_ema_opt.SGD()
+    with pytest.raises(InvalidArgumentError, match="must be an integer"):
+        opt.iterations = value
+
+
+def test_iterations_counts_real_steps_under_accumulation():
+    opt = keras_ema_opt.SGD(gradient_accumulation_steps=2)
+    opt.iterations = 3
+    assert int(to_numpy(opt.iterations)) == 3
+    assert int(to_numpy(opt._iterations)) == 6
+
+
+def test_learning_rate_and_lr_alias():
+    opt = keras_ema_opt.SGD(learning_rate=0.1)
+    opt.learning_rate = 0.2
+    assert float(to_numpy(opt.lr)) == pytest.approx(0.2)
+    opt.lr = np.float32(0.3)
+    assert float(to_numpy(opt.learning_rate)) == pytest.approx(0.3)
+
+
+def test_float_learning_rate_refused_after_a_schedule():
+    schedule = keras.optimizers.schedules.ExponentialDecay(0.1, 1, 0.5)
+    opt = keras_ema_opt.SGD(learning_rate=schedule)
+    with pytest.raises(
+        TypeError,
+        match=re.escape(
+            "This optimizer was created with a `LearningRateSchedule` object "
+            "as its `learning_rate` constructor argument, hence its learning "
+            "rate is not settable."
+        ),
+    ):
+        opt.learning_rate = 0.1
+    _step(opt, [_var([1.0])])
+    assert float(to_numpy(opt.lr)) == pytest.approx(0.05)
+
+
+# ---------------------------------------------------------------------------
+# Variables
+# ---------------------------------------------------------------------------
+
+
+def test_add_variable_keras2_argument_order():
+    opt = keras_ema_opt.SGD()
+    v = opt.add_variable((2,), "float32", "ones", "counter")
+    assert tuple(v.shape) == (2,)
+    assert "float32" in str(v.dtype)
+    np.testing.assert_array_equal(to_numpy(v), [1.0, 1.0])
+    assert "counter" in v.name
+    scalar = opt.add_variable(None, name="scalar")
+    assert tuple(scalar.shape) == ()
+    assert any(x is v for x in opt.variables)
+    assert any(x is scalar for x in opt.variables)
+
+
+def test_add_variable_from_reference_both_spellings():
+    opt = keras_ema_opt.SGD()
+    w = _var([[1.0, 2.0], [3.0, 4.0]])
+    zeros = opt.add_variable_from_reference(w, "m")
+    np.testing.assert_array_equal(to_numpy(zeros), np.zeros((2, 2)))
+    shaped = opt.add_variable_from_reference(w, "row", shape=(2,))
+    assert tuple(shaped.shape) == (2,)
+    copy = opt.add_variable_from_reference(w, "copy", initial_value=w)
+    np.testing.assert_array_equal(to_numpy(copy), to_numpy(w))
+    w.assign(np.zeros((2, 2), "float32"))
+    assert to_numpy(copy)[1, 1] == 4.0  # a copy, not a view
+    keras3 = opt.add_variable_from_reference(
+        reference_variable=w, name="v", initializer="ones"
+    )
+    np.testing.assert_array_equal(to_numpy(keras3), np.ones((2, 2)))
+    ids = {id(x) for x in opt.variables}
+    assert all(id(x) in ids for x in (zeros, shaped, copy, keras3))
+
+
+def test_add_variable_from_reference_errors():
+    opt = keras_ema_opt.SGD()
+    w = _var([1.0, 2.0])
+    with pytest.raises(
+        InvalidArgumentError,
+        match=re.escape("must have the shape of the variable created from"),
+    ) as info:
+        opt.add_variable_from_reference(w, "m", initial_value=np.zeros(3))
+    assert "(2,)" in str(info.value) and "(3,)" in str(info.value)
+    with pytest.raises(InvalidArgumentError, match="Received neither"):
+        opt.add_variable_from_reference(variable_name="m")
+
+
+def test_variables_is_a_list_callable_as_in_keras2():
+    opt = keras_ema_opt.Adam()
+    w = _var([1.0])
+    _step(opt, [w])
+    assert opt.variables() == opt.variables
+    assert opt.variables[0] is opt.iterations
+
+
+def test_unknown_variable_raises_keyerror_with_keras2_advice():
+    opt = keras_ema_opt.Adam()
+    a, b = _var([1.0]), _var([2.0])
+    _step(opt, [a])
+    with pytest.raises(
+        KeyError,
+        match=re.escape(
+            "This usually means you are trying to call the optimizer to "
+            "update different parts of the model separately. Please call "
+            "`optimizer.build(variables)` with the full list of trainable "
+            "variables before the training loop"
+        ),
+    ) as info:
+        _step(opt, [b])
+    assert isinstance(info.value, UnknownVariableError)
+    assert isinstance(info.value, ValueError)  # Keras 3's type still works
+
+
+def test_subset_of_built_variables_is_fine():
+    opt = keras_ema_opt.SGD(learning_rate=0.5)
+    a, b = _var([1.0]), _var([2.0])
+    opt.build([a, b])
+    _step(opt, [b])
+    np.testing.assert_allclose(to_numpy(a), [1.0])
+    np.testing.assert_allclose(to_numpy(b), [1.5])
+
+
+# ---------------------------------------------------------------------------
+# apply_gradients, aggregation, finalize
+# ---------------------------------------------------------------------------
+
+
+def test_apply_gradients_returns_iterations_and_accepts_keras2_flags():
+    opt = keras_ema_opt.SGD(learning_rate=0.5)
+    w = _var([1.0])
+    g = keras.ops.ones((1,))
+    assert opt.apply_gradients([(g, w)], skip_gradients_aggregation=True) \
+        is opt.iterations
+    opt.apply_gradients([(g, w)], experimental_aggregate_gradients=False)
+    opt.apply_gradients(iter([(g, w)]), name="custom_scope")
+    np.testing.assert_allclose(to_numpy(w), [-0.5])
+    assert opt.apply_gradients([]) is opt.iterations
+    with pytest.raises(UnknownArgumentError, match="does not accept"):
+        opt.apply_gradients([(g, w)], foo=1)
+
+
+def test_aggregate_gradients_is_identity_outside_a_distribution():
+    opt = keras_ema_opt.SGD()
+    w = _var([1.0, 2.0])
+    g = keras.ops.convert_to_tensor(np.array([0.5, -1.0], "float32"))
+    (out, var), = opt.aggregate_gradients([(g, w)])
+    assert var is w
+    np.testing.assert_array_equal(to_numpy(out), [0.5, -1.0])
+
+
+def test_finalize_variable_values_is_keras2_by_identity():
+    opt = keras_ema_opt.SGD(learning_rate=1.0, use_ema=True, ema_momentum=0.5)
+    a, b = _var([1.0]), _var([1.0])
+    _step(opt, [a, b])  # weights 0, averages 0.5 * 1 + 0.5 * 0 = 0.5
+    opt.finalize_variable_values([b])
+    np.testing.assert_allclose(to_numpy(a), [0.0])
+    np.testing.assert_allclose(to_numpy(b), [0.5])
+    # b got a buffer of its own: moving the average leaves b alone.
+    _step(opt, [a, b])
+    np.testing.assert_allclose(to_numpy(b), [-0.5])
+    keras_ema_opt.SGD().finalize_variable_values([a])  # no EMA: no-op
+
+
+def test_ema_overwrite_frequency_overwrites_weights():
+    opt = keras_ema_opt.SGD(learning_rate=1.0, use_ema=True, ema_momentum=0.5,
+                            ema_overwrite_frequency=2)
+    w = _var([4.0])
+    _step(opt, [w])  # w 3, a 3.5
+    np.testing.assert_allclose(to_numpy(w), [3.0])
+    _step(opt, [w])  # w 2, a 2.75, then w <- a
+    np.testing.assert_allclose(to_numpy(w), [2.75])
+
+
+# ---------------------------------------------------------------------------
+# compute_gradients and minimize
+# ---------------------------------------------------------------------------
+
+
+def test_compute_gradients_of_a_callable_loss():
+    w = _var([1.0, -2.0])
+    unused = _var([5.0])
+    opt = keras_ema_opt.SGD()
+    pairs = opt.compute_gradients(
+        lambda: keras.ops.sum(keras.ops.square(w)), [w, unused]
+    )
+    assert [v for _, v in pairs] == [w, unused]
+    np.testing.assert_allclose(to_numpy(pairs[0][0]), [2.0, -4.0])
+    # Unconnected: None (TensorFlow, PyTorch) or zeros (JAX traces values).
+    g = pairs[1][0]
+    assert g is None or not np.any(to_numpy(g))
+
+
+def test_non_scalar_loss_is_summed_and_non_trainable_is_watched():
+    w = keras.Variable(np.array([1.0, 3.0], "float32"), trainable=False)
+    pairs = keras_ema_opt.SGD().compute_gradients(lambda: w * w, [w])
+    np.testing.assert_allclose(to_numpy(pairs[0][0]), [2.0, 6.0])
+
+
+def test_compute_gradients_with_callable_var_list():
+    layer = keras.layers.Dense(1, kernel_initializer="ones")
+    x = keras.ops.ones((2, 3))
+    opt = keras_ema_opt.SGD()
+    pairs = opt.compute_gradients(
+        lambda: keras.ops.sum(layer(x)), lambda: layer.trainable_variables
+    )
+    kernel_grad = to_numpy(pairs[0][0])
+    np.testing.assert_allclose(kernel_grad, np.full((3, 1), 2.0))
+
+
+def test_minimize_one_sgd_step():
+    w = _var([3.0, 1.0])
+    opt = keras_ema_opt.SGD(learning_rate=0.25)
+    opt.minimize(lambda: keras.ops.sum(w * w), [w])
+    np.testing.assert_allclose(to_numpy(w), [1.5, 0.5])
+    assert int(to_numpy(opt.iterations)) == 1
+
+
+def test_minimize_a_model_loss_matches_fit_step():
+    x = np.random.default_rng(0).normal(size=(8, 3)).astype("float32")
+    y = np.random.default_rng(1).normal(size=(8, 1)).astype("float32")
+
+    def make():
+        keras.utils.set_random_seed(7)
+        return keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
+
+    model = make()
+    opt = keras_ema_opt.Adam(learning_rate=0.1)
+    xt, yt = keras.ops.convert_to_tensor(x), keras.ops.convert_to_tensor(y)
+    for _ in range(3):
+        opt.minimize(
+            lambda: keras.ops.mean(keras.ops.square(model(xt) - yt)),
+            model.trainable_variables,
+        )
+    reference = make()
+    reference.compile(optimizer=keras.optimizers.Adam(learning_rate=0.1),
+                      loss="mse")
+    reference.fit(x, y, batch_size=8, epochs=3, shuffle=False, verbose=0)
+    for a, b in zip(model.weights, reference.weights):
+        np.testing.assert_allclose(to_numpy(a), to_numpy(b), rtol=1e-5,
+                                   atol=1e-6)
+
+
+def test_tensor_loss_without_tape_is_keras2_valueerror():
+    w = _var([1.0])
+    loss = keras.ops.sum(w * 2.0)
+    with pytest.raises(
+        ValueError,
+        match=re.escape("`tape` is required when a `Tensor` loss is passed."),
+    ):
+        keras_ema_opt.SGD().minimize(loss, [w])
+
+
+@only_on("jax", "torch")
+def test_tape_is_refused_where_there_is_none():
+    with pytest.raises(ValueError, match="does not have. Received: tape="):
+        keras_ema_opt.SGD().compute_gradients(lambda: 0.0, [_var([1.0])],
+                                              tape=object())
+
+
+@only_on("tensorflow")
+def test_tensor_loss_with_its_tape():
+    import tensorflow as tf
+
+    w = _var([1.0, 2.0])
+    opt = keras_ema_opt.SGD(learning_rate=0.5)
+    with tf.GradientTape() as tape:
+        loss = tf.reduce_sum(w.value * w.value)
+    opt.minimize(loss, [w], tape=tape)
+    np.testing.assert_allclose(to_numpy(w), [0.0, 0.0])
+
+
+# ---------------------------------------------------------------------------
+# jit_compile paths
+# ---------------------------------------------------------------------------
+
+
+@only_on("jax")
+def test_jax_eager_apply_gradients_runs_jitted():
+    w = _var([1.0, 2.0])
+    opt = keras_ema_opt.Adam(learning_rate=0.1, use_ema=True)
+    _step(opt, [w])
+    assert opt._keo_compiled, "eager apply_gradients did not compile"
+    eager = keras_ema_opt.Adam(learning_rate=0.1, use_ema=True,
+                               jit_compile=False)
+    v = _var([1.0, 2.0])
+    _step(eager, [v])
+    assert not getattr(eager, "_keo_compiled", None)
+    np.testing.assert_allclose(to_numpy(w), to_numpy(v), rtol=1e-6)
+
+
+@only_on("jax")
+def test_jax_jitted_step_survives_a_shared_buffer():
+    # Two variables holding one array: donation would fail, so it is skipped.
+    a = _var([1.0, 2.0])
+    b = keras.Variable(a.value)
+    opt = keras_ema_opt.SGD(learning_rate=1.0)
+    _step(opt, [a, b])
+    np.testing.assert_allclose(to_numpy(a), [0.0, 1.0])
+    np.testing.assert_allclose(to_numpy(b), [0.0, 1.0])
+
+
+@only_on("tensorflow")
+def test_tensorflow_xla_path_equals_eager():
+    import tensorflow as tf
+
+    grads = [tf.constant([0.5, -1.0]), tf.constant([[1.0], [2.0]])]
+    results = []
+    for jit in (True, False):
+        opt = keras_ema_opt.Adam(learning_rate=0.1, use_ema=True)
+        opt.jit_compile = jit  # force XLA on a CPU-only machine
+        ws = [_var([1.0, 2.0]), _var([[1.0], [0.0]])]
+        for _ in range(3):
+            opt.apply_gradients(zip(grads, ws))
+        assert bool(getattr(opt, "_keo_compiled", None)) is jit
+        results.append([to_numpy(w) for w in ws])
+    for a, b in zip(*results):
+        np.testing.assert_allclose(a, b, rtol=1e-6)
+
+
+# ---------------------------------------------------------------------------
+# Sparse gradients (TensorFlow)
+# ---------------------------------------------------------------------------
+
+
+@only_on("tensorflow")
+@pytest.mark.parametrize("name", ["SGD", "Adam", "Adagrad", "RMSprop"])
+def test_sparse_duplicate_indices_are_summed(name):
+    import tensorflow as tf
+
+    table = np.arange(12, dtype="float32").reshape(4, 3)
+    values = np.ones((3, 3), "float32") * np.array([[1.0], [2.0], [4.0]])
+    sparse = tf.IndexedSlices(
+        tf.constant(values), tf.constant([1, 3, 1]), tf.constant([4, 3])
+    )
+    dense = np.zeros_like(table)
+    dense[1] = values[0] + values[2]
+    dense[3] = values[1]
+    kwargs = {"learning_rate": 0.1}
+    if name == "SGD":
+        kwargs["momentum"] = 0.9
+    w_sparse, w_dense = keras.Variable(table), keras.Variable(table)
+    opt_sparse = getattr(keras_ema_opt, name)(**kwargs)
+    opt_dense = getattr(keras_ema_opt, name)(**kwargs)
+    for _ in range(2):
+        opt_sparse.apply_gradients([(sparse, w_sparse)])
+        opt_dense.apply_gradients([(tf.constant(dense), w_dense)])
+    np.testing.assert_allclose(to_numpy(w_sparse), to_numpy(w_dense),
+                               rtol=1e-6)
