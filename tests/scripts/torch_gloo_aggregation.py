@@ -1,0 +1,46 @@
+"""aggregate_gradients / apply_gradients across two torch.distributed (gloo)
+processes on localhost. Rank r's gradient is r + 1: the sum is 3.
+
+Usage: torch_gloo_aggregation.py PORT OUTDIR. Writes OUTDIR/rank<r>.json.
+"""
+
+import json
+import os
+import sys
+
+os.environ["KERAS_BACKEND"] = "torch"
+
+
+def worker(rank, port, outdir):
+    import torch.distributed as dist
+
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+        world_size=2,
+    )
+    import keras
+    import numpy as np
+
+    import keras_ema_opt
+
+    out = {"rank": rank}
+    for label, skip in (("default", False), ("skip", True)):
+        w = keras.Variable(np.zeros(2, "float32"))
+        opt = keras_ema_opt.SGD(learning_rate=1.0)
+        g = keras.ops.full((2,), float(rank + 1))
+        (agg, _), = opt.aggregate_gradients([(g, w)])
+        opt.apply_gradients([(g, w)], skip_gradients_aggregation=skip)
+        out[label] = keras.ops.convert_to_numpy(w).tolist()
+        out[label + "_aggregate"] = keras.ops.convert_to_numpy(agg).tolist()
+        # The caller's gradient is left as it was.
+        out[label + "_input"] = keras.ops.convert_to_numpy(g).tolist()
+    with open(os.path.join(outdir, f"rank{rank}.json"), "w") as f:
+        json.dump(out, f)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    import torch.multiprocessing as mp
+
+    mp.spawn(worker, args=(int(sys.argv[1]), sys.argv[2]), nprocs=2,
+             join=True)

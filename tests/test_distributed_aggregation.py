@@ -1,0 +1,59 @@
+"""aggregate_gradients and skip_gradients_aggregation as real multi-replica
+runs: tf.distribute MirroredStrategy on two logical CPUs (tf_keras beside it
+as the oracle) and two torch.distributed gloo processes on localhost."""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import only_on
+
+SCRIPTS = Path(__file__).parent / "scripts"
+
+
+def _run(script, *args, backend):
+    env = dict(os.environ, KERAS_BACKEND=backend, TF_CPP_MIN_LOG_LEVEL="3")
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPTS / script), *args],
+        capture_output=True, text=True, timeout=240, env=env,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return [json.loads(line) for line in proc.stdout.splitlines()
+            if line.startswith("{")]
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@only_on("tensorflow")
+def test_mirrored_strategy_sums_replicas_like_tf_keras():
+    pytest.importorskip("tf_keras")
+    (result,) = _run("tf_mirrored_aggregation.py", backend="tensorflow")
+    # Default: the sum over replicas (1 + 2), on both replicas, as tf_keras.
+    assert result["default"]["ours"] == [[-3.0, -3.0]] * 2
+    assert result["default"]["ours"] == result["default"]["tf_keras"]
+    # skip_gradients_aggregation=True: the caller's own mean is used as is.
+    assert result["skip_mean"]["ours"] == [[-1.5, -1.5]] * 2
+    assert result["skip_mean"]["ours"] == result["skip_mean"]["tf_keras"]
+    assert result["aggregate"] == [[3.0, 3.0]] * 2
+
+
+@only_on("torch")
+def test_torch_distributed_sums_ranks(tmp_path):
+    _run("torch_gloo_aggregation.py", str(_free_port()), str(tmp_path),
+         backend="torch")
+    results = [json.loads(p.read_text()) for p in tmp_path.glob("rank*.json")]
+    assert sorted(r["rank"] for r in results) == [0, 1]
+    for r in results:
+        assert r["default_aggregate"] == [3.0, 3.0]
+        assert r["default"] == [-3.0, -3.0]
+        assert r["default_input"] == [float(r["rank"] + 1)] * 2
+        # Skipped: each rank applies its own gradient.
+        assert r["skip"] == [-(r["rank"] + 1.0)] * 2
