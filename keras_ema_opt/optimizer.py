@@ -176,7 +176,7 @@ class Optimizer(backend.OptimizerHooks, keras.optimizers.Optimizer):
 
     def __init__(
         self,
-        learning_rate,
+        learning_rate=0.001,
         weight_decay=None,
         clipnorm=None,
         clipvalue=None,
@@ -190,6 +190,18 @@ class Optimizer(backend.OptimizerHooks, keras.optimizers.Optimizer):
         jit_compile=True,
         **kwargs,
     ):
+        if isinstance(learning_rate, str):
+            # Keras 2's base class takes `name` first:
+            # `super().__init__("MyOptimizer", ...)`. A learning rate is
+            # never a string, so the call is unambiguous; the subclass then
+            # sets its rate with `_build_learning_rate`.
+            if name is not None:
+                raise InvalidArgumentError(
+                    f"{type(self).__name__} received a name twice: "
+                    f"{learning_rate!r} as the first argument (Keras 2's "
+                    f"order) and name={name!r}. Pass it once."
+                )
+            learning_rate, name = 0.001, learning_rate
         arguments = dict(
             learning_rate=learning_rate,
             weight_decay=weight_decay,
@@ -214,6 +226,27 @@ class Optimizer(backend.OptimizerHooks, keras.optimizers.Optimizer):
     # ------------------------------------------------------------------
     # Construction
     # ------------------------------------------------------------------
+
+    def __init_subclass__(cls, **kwargs):
+        """Adapt Keras 2 subclasses: ``update_step(gradient, variable)``.
+
+        Keras 2 optimizers define ``update_step(self, gradient, variable)``
+        and read ``self.learning_rate`` inside it; Keras 3 passes the
+        learning rate as a third argument. A two-argument ``update_step``
+        gets wrapped so that both work.
+        """
+        super().__init_subclass__(**kwargs)
+        step = cls.__dict__.get("update_step")
+        if step is None or not _takes_two_arguments(step):
+            return
+
+        def update_step(self, gradient, variable, learning_rate=None):
+            del learning_rate  # Keras 2 steps read self.learning_rate
+            return step(self, gradient, variable)
+
+        update_step.__doc__ = step.__doc__
+        update_step.__wrapped__ = step
+        cls.update_step = update_step
 
     def _construct(self, keras_init, arguments, signature):
         """Validate ``arguments`` as Keras 2 does, then run ``keras_init``.
@@ -616,10 +649,35 @@ class Optimizer(backend.OptimizerHooks, keras.optimizers.Optimizer):
             if average is not None:
                 backend.assign_copy(self, var, average)
 
-    # Keras 2 subclasses index their slots with `self._index_dict`.
+    # ------------------------------------------------------------------
+    # What Keras 2 subclasses call on their base class
+    # ------------------------------------------------------------------
+
     @property
     def _index_dict(self):
+        """Variable key -> slot index (Keras 2 subclasses index with it)."""
         return self._trainable_variables_indices
+
+    def _build_learning_rate(self, learning_rate):
+        """Keras 2's ``self._learning_rate = self._build_learning_rate(lr)``.
+
+        Sets the learning rate (a float or a schedule) and returns the object
+        that holds it, so the Keras 2 assignment idiom is a no-op.
+        """
+        self.learning_rate = learning_rate
+        return self._learning_rate
+
+    def _serialize_hyperparameter(self, hyperparameter):
+        """Keras 2's helper for ``get_config`` of subclasses."""
+        if isinstance(
+            hyperparameter, keras.optimizers.schedules.LearningRateSchedule
+        ):
+            return keras.optimizers.schedules.serialize(hyperparameter)
+        if isinstance(hyperparameter, keras.Variable):
+            return float(keras.ops.convert_to_numpy(hyperparameter))
+        if callable(hyperparameter):
+            return hyperparameter()
+        return hyperparameter
 
 
 def _value_initializer(initial_value, shape, ref):
@@ -638,6 +696,16 @@ def _value_initializer(initial_value, shape, ref):
         return keras.ops.cast(keras.ops.copy(value), dtype or ref.dtype)
 
     return initializer
+
+
+def _takes_two_arguments(fn):
+    """True for ``def update_step(self, gradient, variable)`` (Keras 2)."""
+    params = inspect.signature(fn).parameters.values()
+    if any(p.kind is p.VAR_POSITIONAL for p in params):
+        return False
+    return sum(
+        p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) for p in params
+    ) == 3
 
 
 def _accepted_arguments(signature):

@@ -71,21 +71,24 @@ def test_l3_fit_twice_with_use_ema(name):
     assert int(to_numpy(opt.iterations)) == 8
 
 
-def test_keras_file_round_trip_and_lockstep_resume(tmp_path):
+@pytest.mark.parametrize("name", NAMES)
+def test_keras_file_round_trip_and_lockstep_resume(name, tmp_path):
     x, y = _data()
-    schedule = keras.optimizers.schedules.CosineDecay(0.05, 100)
+    kwargs = dict(OPTIMIZERS[name], use_ema=True, ema_momentum=0.9,
+                  clipnorm=1.0)
+    if name == "AdamW":
+        kwargs["learning_rate"] = keras.optimizers.schedules.CosineDecay(
+            0.05, 100
+        )
     model = _model()
-    model.compile(
-        optimizer=keras_ema_opt.AdamW(learning_rate=schedule, use_ema=True,
-                                      ema_momentum=0.9, clipnorm=1.0),
-        loss="mse",
-    )
+    model.compile(optimizer=getattr(keras_ema_opt, name)(**kwargs),
+                  loss="mse")
     for i in range(3):
         model.train_on_batch(x[i * 8:(i + 1) * 8], y[i * 8:(i + 1) * 8])
     path = tmp_path / "model.keras"
     model.save(path)
     loaded = keras.saving.load_model(path)
-    assert type(loaded.optimizer) is keras_ema_opt.AdamW
+    assert type(loaded.optimizer) is getattr(keras_ema_opt, name)
     assert loaded.optimizer.get_config() == model.optimizer.get_config()
     for a, b in zip(loaded.optimizer.variables, model.optimizer.variables):
         np.testing.assert_array_equal(to_numpy(a), to_numpy(b))
