@@ -21,6 +21,9 @@ model.compile(optimizer=keras_ema_opt.AdamW(use_ema=True), loss="mse")
 import keras
 
 from keras_ema_opt import errors
+from keras_ema_opt.averaging import EMA
+from keras_ema_opt.averaging import SWA
+from keras_ema_opt.averaging import Averaging
 from keras_ema_opt.optimizer import Optimizer
 from keras_ema_opt.optimizers import SGD
 from keras_ema_opt.optimizers import Adadelta
@@ -41,6 +44,9 @@ Optimizer = keras.saving.register_keras_serializable(package="keras_ema_opt")(
 __version__ = "0.1.0.dev0"
 
 __all__ = [
+    "EMA",
+    "SWA",
+    "Averaging",
     "SGD",
     "Adadelta",
     "Adafactor",

@@ -21,6 +21,9 @@ import numpy as np
 from keras.src.utils import tracking
 
 from keras_ema_opt import backend
+from keras_ema_opt.averaging import engine
+from keras_ema_opt.averaging.strategies import EMA
+from keras_ema_opt.averaging.strategies import Averaging
 from keras_ema_opt.errors import InvalidArgumentError
 from keras_ema_opt.errors import UnknownArgumentError
 from keras_ema_opt.errors import UnknownVariableError
@@ -261,14 +264,28 @@ class Optimizer(backend.OptimizerHooks, keras.optimizers.Optimizer):
             arguments.pop(key, None)
         _take_lr_alias(arguments, cls_name)
         jit_compile = arguments.pop("jit_compile", True)
+        averaging = arguments.pop("averaging", None)
         _check_known(cls_name, arguments, _accepted_arguments(signature))
         defaults = _defaults(signature)
         value = lambda k: arguments.get(k, defaults.get(k))  # noqa: E731
         _validate_ema(
-            value("use_ema"),
-            value("ema_momentum"),
+            value("use_ema") or averaging is not None,
+            value("ema_momentum") if averaging is None else 0.0,
             value("ema_overwrite_frequency"),
         )
+        averaging = _resolve_averaging(
+            averaging, value("use_ema"), value("ema_momentum")
+        )
+        if averaging is not None:
+            arguments["use_ema"] = True
+            if averaging.debias and value("ema_overwrite_frequency"):
+                raise InvalidArgumentError(
+                    "`ema_overwrite_frequency` cannot be combined with "
+                    "`debias=True`: the stored average is biased. Received: "
+                    f"ema_overwrite_frequency="
+                    f"{value('ema_overwrite_frequency')!r}, averaging="
+                    f"{averaging!r}."
+                )
         _validate_clipping(value("clipnorm"), value("global_clipnorm"))
         clipping = {k: arguments.pop(k, None) for k in _CLIP_ARGS}
         if _is_real_number(arguments.get("learning_rate")):
@@ -277,6 +294,8 @@ class Optimizer(backend.OptimizerHooks, keras.optimizers.Optimizer):
         # Keras 3 refuses clipnorm with clipvalue; Keras 2 let clipnorm win.
         for key, clip in clipping.items():
             setattr(self, key, clip)
+        self.averaging = averaging
+        self._averager = None
         self._jit_compile_requested = bool(jit_compile)
         self.jit_compile = backend.resolve_jit_compile(jit_compile)
         self._gradients_aggregated = False
@@ -284,6 +303,12 @@ class Optimizer(backend.OptimizerHooks, keras.optimizers.Optimizer):
     def get_config(self):
         config = super().get_config()
         config["jit_compile"] = self.jit_compile
+        if self.averaging is not None and self.averaging != EMA(
+            self.ema_momentum
+        ):
+            config["averaging"] = keras.saving.serialize_keras_object(
+                self.averaging
+            )
         return config
 
     @classmethod
@@ -583,71 +608,132 @@ class Optimizer(backend.OptimizerHooks, keras.optimizers.Optimizer):
     def build(self, variables):
         """Create the optimizer state for ``variables``.
 
-        With ``use_ema``, each average starts as a copy of its variable, as in
-        Keras 2 (Keras 3 starts from zeros and skips the first step), and is
-        created before the other slots, where Keras 3 puts it.
+        With averaging (``use_ema=True`` or ``averaging=``), the averages are
+        created first, where Keras 3 puts its EMA; with the default EMA they
+        start as copies of the variables, as in Keras 2 (Keras 3 starts from
+        zeros and skips the first step).
         """
         if self.built:
             return
-        averages = None
-        if self.use_ema:
-            averages = [
-                None
-                if self._overwrite_variable_with_gradient(v)
-                else self.add_variable_from_reference(
-                    v, "average", initial_value=v
-                )
-                for v in variables
-            ]
+        averager = None
+        if self.averaging is not None:
+            averager = engine.Averager(self.averaging)
+            averager.build(self, variables)
         use_ema, self.use_ema = self.use_ema, False
         try:
             super().build(variables)
         finally:
             self.use_ema = use_ema
-        if averages is not None:
-            # A plain list, as Keras' own `build` keeps it (the variables are
-            # already tracked one by one).
+        if averager is not None:
+            # Plain Python state, as Keras' own `build` keeps its EMA list
+            # (the variables themselves are tracked one by one).
             with tracking.DotNotTrackScope():
-                self._model_variables_moving_average = averages
+                self._averager = averager
+                self._model_variables_moving_average = averager.primary()
 
     def _update_model_variables_moving_average(self, trainable_variables):
-        """Keras 2's update ``a <- m * a + (1 - m) * w``, after each step."""
-        if not self.use_ema:
-            return
-        for var, average in zip(
-            trainable_variables, self._model_variables_moving_average
-        ):
-            if average is None:
-                continue
-            m = keras.ops.cast(self.ema_momentum, average.dtype)
-            average.assign(
-                keras.ops.add(
-                    keras.ops.multiply(m, average),
-                    keras.ops.multiply(
-                        keras.ops.subtract(1, m),
-                        keras.ops.cast(var, average.dtype),
-                    ),
-                )
-            )
+        """Called by Keras after each step: one update of the averages.
+
+        Under ``gradient_accumulation_steps`` only real optimizer steps
+        update them (Keras 3.15 updated on every micro-step, defect L4).
+        """
+        del trainable_variables  # the averager keeps its own, built, list
+        if self._averager is not None:
+            self._averager.update(self)
 
     def finalize_variable_values(self, var_list):
-        """Write the moving averages into ``var_list`` (when ``use_ema``).
+        """Write the averages into ``var_list`` (Keras 2 semantics).
 
-        Keras 2 semantics: each variable is matched to its average by
-        identity, so any subset of the trained variables may be passed.
-        Each variable gets a buffer of its own (Keras 3.15 shared one on JAX,
-        which broke a second ``fit()``).
+        ``fit()`` calls this at its end. Each variable is matched to its
+        average by identity, so any subset of the trained variables may be
+        passed, and gets a buffer of its own (Keras 3.15 shared one on JAX,
+        which broke a second ``fit()``, defect L3). With
+        ``averaging=...(finalize=False)`` the raw weights stay (defect L6):
+        use ``swap_average`` or ``assign_averages`` to read the averages.
+        Swaps still open (a ``SwapAverage`` callback holding averages at the
+        end of an epoch) are settled first.
         """
-        if not self.use_ema or not self.built:
+        averager = self._averager
+        if averager is None:
             return
-        for var in var_list:
-            if self._var_key(var) not in self._trainable_variables_indices:
-                continue
-            average = self._model_variables_moving_average[
-                self._get_variable_index(var)
-            ]
-            if average is not None:
-                backend.assign_copy(self, var, average)
+        keep = self.averaging.finalize
+        averager.settle_swaps(keep_averages=keep)
+        if keep:
+            self.assign_averages(var_list)
+
+    def assign_averages(self, var_list=None, slot=0):
+        """Overwrite variables with their averages (no swap back).
+
+        Args:
+            var_list: Variables to overwrite; default: every averaged one.
+            slot: Which average for strategies keeping several (PowerEMA).
+        """
+        averager = self._require_averages("assign_averages")
+        for var in averager.variables if var_list is None else var_list:
+            i = averager.index(self, var)
+            if i is not None and averager.slots[i] is not None:
+                backend.assign_copy(self, var, averager.value(i, slot))
+
+    def average_of(self, variable, slot=0):
+        """The current average of ``variable`` (a tensor), or ``None``.
+
+        ``None`` where the variable is not averaged (integer variables,
+        ``overwrite_with_gradient`` variables). Debiased averages come back
+        corrected.
+        """
+        averager = self._require_averages("average_of")
+        i = averager.index(self, variable)
+        if i is None:
+            raise UnknownVariableError(
+                f"No average is kept for {getattr(variable, 'path', variable)}"
+                ": the optimizer was not built with it."
+            )
+        return averager.value(i, slot)
+
+    def swap_average(self, model=None, slot=0):
+        """A context manager that puts the averages in and the raw values back.
+
+        Inside the ``with`` block the averaged variables hold their averages;
+        on exit they get back their raw values, bit for bit (the raw values
+        are kept as copies, not recomputed by an add/subtract trick).
+
+        Args:
+            model: A model or layer, or a list of variables; default: every
+                averaged variable.
+            slot: Which average for strategies keeping several (PowerEMA).
+
+        Example:
+
+        ```python
+        import keras
+        import numpy as np
+        import keras_ema_opt
+
+        model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+        model.compile(optimizer=keras_ema_opt.SGD(use_ema=True), loss="mse")
+        model.fit(np.ones((4, 2)), np.ones((4, 1)), verbose=0)
+        with model.optimizer.swap_average(model):
+            averaged_predictions = model.predict(np.ones((1, 2)), verbose=0)
+        ```
+        """
+        averager = self._require_averages("swap_average")
+        variables = engine.model_variables(model) or averager.variables
+        return averager.swap(self, variables, slot)
+
+    def _require_averages(self, what):
+        if self._averager is None:
+            if self.averaging is None:
+                raise ValueError(
+                    f"{what}() needs averaging: create the optimizer with "
+                    "`use_ema=True` or `averaging=keras_ema_opt.EMA(...)` "
+                    "(or SWA, PowerEMA)."
+                )
+            raise ValueError(
+                f"{what}() needs the optimizer built: call "
+                "`optimizer.build(model.trainable_variables)` or train one "
+                "step first."
+            )
+        return self._averager
 
     # ------------------------------------------------------------------
     # What Keras 2 subclasses call on their base class
@@ -698,6 +784,20 @@ def _value_initializer(initial_value, shape, ref):
     return initializer
 
 
+def _resolve_averaging(averaging, use_ema, ema_momentum):
+    """The strategy asked for: ``averaging=`` or Keras 2's ``use_ema``."""
+    if isinstance(averaging, dict):
+        averaging = keras.saving.deserialize_keras_object(averaging)
+    if averaging is not None and not isinstance(averaging, Averaging):
+        raise InvalidArgumentError(
+            "`averaging` must be a keras_ema_opt averaging strategy (EMA, "
+            f"SWA, PowerEMA) or None. Received: averaging={averaging!r}"
+        )
+    if averaging is None and use_ema:
+        averaging = EMA(ema_momentum)
+    return averaging
+
+
 def _takes_two_arguments(fn):
     """True for ``def update_step(self, gradient, variable)`` (Keras 2)."""
     params = inspect.signature(fn).parameters.values()
@@ -714,7 +814,7 @@ def _accepted_arguments(signature):
         for p in signature.parameters.values()
         if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL) and p.name != "self"
     }
-    return names | {"jit_compile", "lr"}
+    return names | {"jit_compile", "lr", "averaging"}
 
 
 def _defaults(signature):

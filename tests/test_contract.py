@@ -88,7 +88,7 @@ def test_unknown_argument_lists_the_accepted_ones():
         keras_ema_opt.Adam(learning_rate=0.1, betta_1=0.5)
     message = str(info.value)
     assert "Adam does not accept the argument(s) {'betta_1': 0.5}" in message
-    assert "Accepted arguments: amsgrad, beta_1, beta_2" in message
+    assert "Accepted arguments: amsgrad, averaging, beta_1, beta_2" in message
     assert "jit_compile" in message
     # Keras 2 raised TypeError here, Keras 3 ValueError: both still catch it.
     assert isinstance(info.value, TypeError)

@@ -1,0 +1,217 @@
+"""The averaging engine: state in Keras variables, one update per real
+optimizer step, exact swaps. Pure ``keras.ops``; placement through
+``keras_ema_opt.backend``.
+
+State created by ``build`` (all optimizer variables, so ``.keras`` files and
+JAX's stateless steps carry them):
+
+- one average per averaged variable and slot (``<path>_average``);
+- ``averaging_count``: the number of averaging updates made so far;
+- ``averaging_debias``: the product of the decays (``debias=True`` only).
+"""
+
+import contextlib
+
+import keras
+from keras import ops
+
+from keras_ema_opt import backend
+
+
+def _is_float(variable):
+    return "float" in str(variable.dtype)
+
+
+class Averager:
+    """The averages of one optimizer, for one strategy."""
+
+    def __init__(self, strategy):
+        self.strategy = strategy
+        self.variables = []  # averaged model variables, in build order
+        self.slots = []  # per variable: list of average variables or None
+        self.count = None
+        self.debias = None
+        self.swaps = []  # open swaps (Python state only while open)
+
+    # -- state -------------------------------------------------------------
+
+    def build(self, optimizer, variables):
+        strategy = self.strategy
+        for var in variables:
+            self.variables.append(var)
+            if not _is_float(var) or optimizer._overwrite_variable_with_gradient(
+                var
+            ):
+                self.slots.append(None)
+                continue
+            self.slots.append(
+                [self._slot(optimizer, var, i) for i in range(
+                    strategy.num_slots)]
+            )
+        self.count = optimizer.add_variable(
+            (), dtype="int", initializer="zeros", name="averaging_count"
+        )
+        if strategy.debias:
+            self.debias = optimizer.add_variable(
+                (), dtype="float32", initializer="ones",
+                name="averaging_debias",
+            )
+
+    def _slot(self, optimizer, var, index):
+        dtype = self.strategy.average_dtype or var.dtype
+        suffix = "average" if self.strategy.num_slots == 1 else (
+            f"average_{index}"
+        )
+        if self.strategy.initial == "zeros":
+            initializer = "zeros"
+        else:
+            source = var
+
+            def initializer(shape, dtype=None):
+                return ops.cast(ops.copy(source.value), dtype)
+
+        path = (getattr(var, "path", None) or str(var.name)).replace(
+            "/", "_").replace(":", "_")
+        with backend.colocate_with(var):
+            return optimizer.add_variable(
+                tuple(var.shape),
+                dtype=dtype,
+                initializer=initializer,
+                name=f"{path}_{suffix}",
+                layout=getattr(var, "_layout", None),
+            )
+
+    def primary(self):
+        """The first slot of each variable (Keras' EMA list), or None."""
+        return [None if s is None else s[0] for s in self.slots]
+
+    # -- update ------------------------------------------------------------
+
+    def update(self, optimizer):
+        """One update after the optimizer's step (traceable, no Python ifs on
+        tensors). Under gradient accumulation only real steps count."""
+        strategy = self.strategy
+        steps = optimizer.gradient_accumulation_steps
+        raw = optimizer._iterations
+        if steps:
+            real = ops.equal(ops.mod(raw + 1, steps), 0)
+            t = ops.floor_divide(raw, steps) + 1
+        else:
+            real, t = None, raw + 1
+        t = ops.cast(t, "int32")
+        plain = not steps and strategy.start_step == 0 and strategy.every == 1
+        if plain:
+            average = copy = None
+        else:
+            started = ops.greater(t, strategy.start_step)
+            on_grid = ops.equal(ops.mod(t - strategy.start_step,
+                                        strategy.every), 0)
+            average = ops.logical_and(started, on_grid)
+            copy = ops.logical_not(started)
+            if real is not None:
+                average = ops.logical_and(average, real)
+                copy = ops.logical_and(copy, real)
+        n = ops.cast(self.count, "int32") + 1
+        decays = strategy.decays(n, t)
+        for var, slots in zip(self.variables, self.slots):
+            if slots is None:
+                continue
+            for slot, decay in zip(slots, decays):
+                slot.assign(self._mix(slot, var, decay, average, copy))
+        step = ops.cast(average if average is not None else True, "int32")
+        self.count.assign(self.count + ops.cast(step, self.count.dtype))
+        if self.debias is not None:
+            self.debias.assign(self._mix_scalar(decays[0], average, copy))
+
+    @staticmethod
+    def _mix(slot, var, decay, average, copy):
+        w = ops.cast(var, slot.dtype)
+        d = ops.cast(decay, slot.dtype)
+        mixed = ops.add(ops.multiply(d, slot),
+                        ops.multiply(ops.subtract(1, d), w))
+        if average is None:
+            return mixed
+        return ops.where(copy, w, ops.where(average, mixed, slot))
+
+    def _mix_scalar(self, decay, average, copy):
+        product = ops.multiply(self.debias, ops.cast(decay, "float32"))
+        if average is None:
+            return product
+        # A copy is an unbiased start: its correction is 1 / (1 - 0).
+        return ops.where(copy, 0.0, ops.where(average, product, self.debias))
+
+    # -- reading -------------------------------------------------------------
+
+    def index(self, optimizer, variable):
+        key = optimizer._var_key(variable)
+        for i, var in enumerate(self.variables):
+            if optimizer._var_key(var) == key:
+                return i
+        return None
+
+    def value(self, i, slot=0):
+        """The average of variable ``i`` (debiased where asked)."""
+        slots = self.slots[i]
+        if slots is None:
+            return None
+        value = slots[slot].value
+        if self.debias is not None:
+            correction = ops.subtract(1.0, self.debias.value)
+            value = ops.divide(value, ops.cast(correction, value.dtype))
+        return value
+
+    # -- swapping -----------------------------------------------------------
+
+    @contextlib.contextmanager
+    def swap(self, optimizer, variables, slot=0):
+        """Averages in, then the raw values back, bit for bit."""
+        swap = _Swap(optimizer, self, variables, slot)
+        self.swaps.append(swap)
+        try:
+            swap.enter()
+            yield swap
+        finally:
+            if swap in self.swaps:
+                self.swaps.remove(swap)
+                swap.restore()
+
+    def settle_swaps(self, keep_averages):
+        """Close open swaps at the end of training (``finalize``)."""
+        while self.swaps:
+            swap = self.swaps.pop()
+            if not keep_averages:
+                swap.restore()
+
+
+class _Swap:
+    def __init__(self, optimizer, averager, variables, slot):
+        self.optimizer = optimizer
+        self.averager = averager
+        self.slot = slot
+        self.pairs = []
+        for var in variables:
+            i = averager.index(optimizer, var)
+            if i is not None and averager.slots[i] is not None:
+                self.pairs.append((var, i))
+        self.raw = []
+
+    def enter(self):
+        self.raw = [ops.copy(var.value) for var, _ in self.pairs]
+        for var, i in self.pairs:
+            backend.assign_copy(
+                self.optimizer, var, self.averager.value(i, self.slot)
+            )
+
+    def restore(self):
+        for (var, _), raw in zip(self.pairs, self.raw):
+            var.assign(raw)
+        self.raw = []
+
+
+def model_variables(target):
+    """The variables of a model, a layer, or a list of variables."""
+    if target is None:
+        return None
+    if isinstance(target, (keras.layers.Layer,)):
+        return list(target.variables)
+    return list(target)

@@ -1,0 +1,248 @@
+"""Averaging strategies: what average to keep, as configuration plus a pure
+decay rule. The state and the update live in ``engine.py``."""
+
+import numbers
+
+import keras
+from keras import ops
+
+from keras_ema_opt.averaging import schedules
+from keras_ema_opt.errors import InvalidArgumentError
+
+_WARMUPS = (None, "num_updates", "power")
+_register = keras.saving.register_keras_serializable(package="keras_ema_opt")
+
+
+def _check_int(name, value, minimum):
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, numbers.Integral)
+        or value < minimum
+    ):
+        raise InvalidArgumentError(
+            f"`{name}` must be an integer >= {minimum}. Received: "
+            f"{name}={value!r}"
+        )
+    return int(value)
+
+
+def _check_unit(name, value):
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, numbers.Real)
+        or not 0 <= value <= 1
+    ):
+        raise InvalidArgumentError(
+            f"`{name}` must be a number in [0, 1]. Received: {name}={value!r}"
+        )
+    return float(value)
+
+
+class Averaging:
+    """Base class of the averaging strategies.
+
+    Args:
+        start_step: Before optimizer step ``start_step`` (1-based, after the
+            update) the average is a copy of the weights; averaging starts
+            at the step after it.
+        every: Average every ``every`` optimizer steps (counted from
+            ``start_step``).
+        include_non_trainable: Also average the non-trainable float variables
+            handed to ``optimizer.build_averages`` (BatchNorm statistics).
+        average_dtype: Dtype of the averages, e.g. ``"float32"`` for
+            bfloat16 / float16 weights; ``None`` keeps each variable's dtype.
+        finalize: Whether ``finalize_variable_values`` (called by ``fit()``
+            at its end) writes the averages into the model (Keras 2), or
+            leaves the raw weights there (``False``).
+
+    A strategy defines ``decays(n, t)``: the weight ``d`` kept on the old
+    average at the ``n``-th averaging update, made at optimizer step ``t``
+    (``a <- d * a + (1 - d) * w``), one per slot.
+
+    Example:
+
+    ```python
+    import keras
+    import keras_ema_opt
+
+    class HalfLife(keras_ema_opt.Averaging):
+        # An EMA whose half-life grows with n: d = 0.5 ** (1 / (1 + n / 10)).
+        def decays(self, n, t):
+            n = keras.ops.cast(n, "float32")
+            return [keras.ops.power(0.5, 1.0 / (1.0 + n / 10.0))]
+
+    optimizer = keras_ema_opt.Adam(averaging=HalfLife())
+    ```
+    """
+
+    num_slots = 1
+    #: "copy": averages start as the weights; "zeros": as zeros (debias).
+    initial = "copy"
+    debias = False
+
+    def __init__(
+        self,
+        start_step=0,
+        every=1,
+        include_non_trainable=False,
+        average_dtype=None,
+        finalize=True,
+    ):
+        self.start_step = _check_int("start_step", start_step, 0)
+        self.every = _check_int("every", every, 1)
+        self.include_non_trainable = bool(include_non_trainable)
+        self.average_dtype = (
+            None if average_dtype is None
+            else keras.backend.standardize_dtype(average_dtype)
+        )
+        self.finalize = bool(finalize)
+
+    def decays(self, n, t):
+        """Decays (one per slot) for update ``n`` made at step ``t``."""
+        raise NotImplementedError
+
+    def get_config(self):
+        return {
+            "start_step": self.start_step,
+            "every": self.every,
+            "include_non_trainable": self.include_non_trainable,
+            "average_dtype": self.average_dtype,
+            "finalize": self.finalize,
+        }
+
+    @classmethod
+    def from_config(cls, config):
+        return cls(**config)
+
+    def __repr__(self):
+        args = ", ".join(f"{k}={v!r}" for k, v in self.get_config().items())
+        return f"{type(self).__name__}({args})"
+
+    def __eq__(self, other):
+        return type(self) is type(other) and (
+            self.get_config() == other.get_config()
+        )
+
+    __hash__ = object.__hash__
+
+
+@_register
+class EMA(Averaging):
+    """Exponential moving average of the weights.
+
+    ``a <- d * a + (1 - d) * w`` after each optimizer step, with ``d``:
+
+    - ``warmup=None``: ``momentum`` (Keras 2 ``use_ema``; averages start as
+      the weights, as in Keras 2, tf.train.ExponentialMovingAverage and
+      torch-ema);
+    - ``warmup="num_updates"``: ``min(momentum, (1 + n) / (10 + n))``,
+      ``n`` the 1-based update number (tf.train.ExponentialMovingAverage's
+      ``num_updates``, torch-ema);
+    - ``warmup="power"``: ``clip(1 - (1 + n / inv_gamma) ** -power,
+      min_momentum, momentum)`` (ema-pytorch ``EMA``, timm ``ModelEmaV3``).
+
+    ``every=k`` updates the average every ``k`` steps with ``d ** k`` so that
+    ``momentum`` keeps its meaning per optimizer step: the average has the
+    same time constant, ``1 / (1 - momentum)`` steps, whatever ``k``.
+    ``debias=True`` starts from zeros and reads ``a / (1 - prod(d))`` (optax
+    ``ema(debias=True)``; Adam's bias correction).
+
+    Args:
+        momentum: Decay in ``[0, 1]`` (the ceiling with a warm-up).
+        warmup: ``None``, ``"num_updates"`` or ``"power"``.
+        start_step, every, include_non_trainable, average_dtype, finalize:
+            see ``Averaging``.
+        debias: Zero start with bias correction.
+        inv_gamma, power, min_momentum: the ``"power"`` warm-up.
+
+    Example:
+
+    ```python
+    import keras
+    import keras_ema_opt
+
+    optimizer = keras_ema_opt.AdamW(
+        averaging=keras_ema_opt.EMA(0.999, warmup="power", start_step=100)
+    )
+    ```
+    """
+
+    def __init__(
+        self,
+        momentum=0.999,
+        warmup=None,
+        start_step=0,
+        every=1,
+        debias=False,
+        inv_gamma=1.0,
+        power=2.0 / 3.0,
+        min_momentum=0.0,
+        **kwargs,
+    ):
+        super().__init__(start_step=start_step, every=every, **kwargs)
+        self.momentum = _check_unit("momentum", momentum)
+        if warmup not in _WARMUPS:
+            raise InvalidArgumentError(
+                "`warmup` must be one of None, 'num_updates', 'power'. "
+                f"Received: warmup={warmup!r}"
+            )
+        self.warmup = warmup
+        self.debias = bool(debias)
+        self.initial = "zeros" if self.debias else "copy"
+        if not float(inv_gamma) > 0:
+            raise InvalidArgumentError(
+                f"`inv_gamma` must be > 0. Received: inv_gamma={inv_gamma!r}"
+            )
+        self.inv_gamma = float(inv_gamma)
+        self.power = float(power)
+        self.min_momentum = _check_unit("min_momentum", min_momentum)
+
+    def decays(self, n, t):
+        del t
+        if self.warmup is None:
+            d = schedules.constant(self.momentum, n)
+        elif self.warmup == "num_updates":
+            d = schedules.num_updates(self.momentum, n)
+        else:
+            d = schedules.power(
+                self.momentum, n, self.inv_gamma, self.power,
+                self.min_momentum,
+            )
+        if self.every > 1:
+            d = ops.power(d, float(self.every))
+        return [d]
+
+    def get_config(self):
+        return {
+            "momentum": self.momentum,
+            "warmup": self.warmup,
+            "debias": self.debias,
+            "inv_gamma": self.inv_gamma,
+            "power": self.power,
+            "min_momentum": self.min_momentum,
+            **super().get_config(),
+        }
+
+
+@_register
+class SWA(Averaging):
+    """Stochastic weight averaging: the uniform mean of the weights.
+
+    ``a <- a + (w - a) / (n + 1)`` at every ``every``-th step after
+    ``start_step`` (Izmailov et al. 2018; torch ``swa_utils.AveragedModel``,
+    TF Addons ``SWA``); the first update copies.
+
+    Example:
+
+    ```python
+    import keras_ema_opt
+
+    optimizer = keras_ema_opt.SGD(
+        learning_rate=0.05, averaging=keras_ema_opt.SWA(start_step=1000, every=10)
+    )
+    ```
+    """
+
+    def decays(self, n, t):
+        del t
+        return [schedules.running_mean(n)]
