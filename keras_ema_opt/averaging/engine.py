@@ -7,7 +7,8 @@ JAX's stateless steps carry them):
 
 - one average per averaged variable and slot (``<path>_average``);
 - ``averaging_count``: the number of averaging updates made so far;
-- ``averaging_debias``: the product of the decays (``debias=True`` only).
+- ``averaging_debias``: ``1 - prod(decays)``, the bias correction
+  (``debias=True`` only).
 """
 
 import contextlib
@@ -52,8 +53,9 @@ class Averager:
             (), dtype="int", initializer="zeros", name="averaging_count"
         )
         if strategy.debias:
+            # c = 1 - prod(decays): 0 at the zero start.
             self.debias = optimizer.add_variable(
-                (), dtype="float32", initializer="ones",
+                (), dtype="float32", initializer="zeros",
                 name="averaging_debias",
             )
 
@@ -111,7 +113,7 @@ class Averager:
             if real is not None:
                 average = ops.logical_and(average, real)
                 copy = ops.logical_and(copy, real)
-        n = ops.cast(self.count, "int32") + 1
+        n = ops.cast(self.count.value, "int32") + 1
         decays = strategy.decays(n, t)
         for var, slots in zip(self.variables, self.slots):
             if slots is None:
@@ -119,26 +121,31 @@ class Averager:
             for slot, decay in zip(slots, decays):
                 slot.assign(self._mix(slot, var, decay, average, copy))
         step = ops.cast(average if average is not None else True, "int32")
-        self.count.assign(self.count + ops.cast(step, self.count.dtype))
+        self.count.assign(self.count.value + ops.cast(step, self.count.dtype))
         if self.debias is not None:
             self.debias.assign(self._mix_scalar(decays[0], average, copy))
 
     @staticmethod
     def _mix(slot, var, decay, average, copy):
-        w = ops.cast(var, slot.dtype)
+        a = slot.value
+        w = ops.cast(var.value, slot.dtype)
         d = ops.cast(decay, slot.dtype)
-        mixed = ops.add(ops.multiply(d, slot),
-                        ops.multiply(ops.subtract(1, d), w))
+        mixed = ops.add(ops.multiply(d, a), ops.multiply(ops.subtract(1, d), w))
         if average is None:
             return mixed
-        return ops.where(copy, w, ops.where(average, mixed, slot))
+        return ops.where(copy, w, ops.where(average, mixed, a))
 
     def _mix_scalar(self, decay, average, copy):
-        product = ops.multiply(self.debias, ops.cast(decay, "float32"))
+        # The debias state is c = 1 - prod(d), kept as such: updating
+        # c <- (1 - d) + d * c stays accurate where prod(d) is close to 1
+        # (1 - prod would cancel catastrophically in float32).
+        c = self.debias.value
+        d = ops.cast(decay, "float32")
+        updated = ops.add(ops.subtract(1.0, d), ops.multiply(d, c))
         if average is None:
-            return product
-        # A copy is an unbiased start: its correction is 1 / (1 - 0).
-        return ops.where(copy, 0.0, ops.where(average, product, self.debias))
+            return updated
+        # A copy is an unbiased start: its correction is 1 / 1.
+        return ops.where(copy, 1.0, ops.where(average, updated, c))
 
     # -- reading -------------------------------------------------------------
 
@@ -156,8 +163,8 @@ class Averager:
             return None
         value = slots[slot].value
         if self.debias is not None:
-            correction = ops.subtract(1.0, self.debias.value)
-            value = ops.divide(value, ops.cast(correction, value.dtype))
+            correction = ops.cast(self.debias.value, value.dtype)
+            value = ops.divide(value, correction)
         return value
 
     # -- swapping -----------------------------------------------------------
