@@ -20,12 +20,16 @@ model.compile(optimizer=keras_ema_opt.AdamW(use_ema=True), loss="mse")
 
 import keras
 
+from keras_ema_opt import callbacks
 from keras_ema_opt import errors
 from keras_ema_opt.averaging import EMA
 from keras_ema_opt.averaging import SWA
 from keras_ema_opt.averaging import Averaging
 from keras_ema_opt.optimizer import Optimizer
 from keras_ema_opt.optimizers import SGD
+from keras_ema_opt.optimizers import AveragedLossScaleOptimizer
+from keras_ema_opt.optimizers import averaged
+from keras_ema_opt.optimizers import contract_class
 from keras_ema_opt.optimizers import Adadelta
 from keras_ema_opt.optimizers import Adafactor
 from keras_ema_opt.optimizers import Adagrad
@@ -47,6 +51,9 @@ __all__ = [
     "EMA",
     "SWA",
     "Averaging",
+    "AveragedLossScaleOptimizer",
+    "averaged",
+    "contract_class",
     "SGD",
     "Adadelta",
     "Adafactor",
@@ -59,5 +66,6 @@ __all__ = [
     "Nadam",
     "Optimizer",
     "RMSprop",
+    "callbacks",
     "errors",
 ]

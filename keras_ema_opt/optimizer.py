@@ -18,6 +18,7 @@ import warnings
 
 import keras
 import numpy as np
+from keras.src.optimizers.base_optimizer import BaseOptimizer
 from keras.src.utils import tracking
 
 from keras_ema_opt import backend
@@ -641,6 +642,20 @@ class Optimizer(backend.OptimizerHooks, keras.optimizers.Optimizer):
         if self._averager is not None:
             self._averager.update(self)
 
+    def _backend_apply_gradients(self, grads, trainable_variables):
+        frequency = self.ema_overwrite_frequency
+        if not frequency or self._averager is None:
+            return super()._backend_apply_gradients(grads, trainable_variables)
+        # Keras' own overwrite multiplies `None` averages (variables with
+        # `overwrite_with_gradient`, defect L5) and runs on micro-steps:
+        # ours skips them and counts real steps.
+        self.ema_overwrite_frequency = None
+        try:
+            super()._backend_apply_gradients(grads, trainable_variables)
+        finally:
+            self.ema_overwrite_frequency = frequency
+        self._averager.overwrite(self, frequency)
+
     def finalize_variable_values(self, var_list):
         """Write the averages into ``var_list`` (Keras 2 semantics).
 
@@ -809,12 +824,23 @@ def _takes_two_arguments(fn):
 
 
 def _accepted_arguments(signature):
+    params = signature.parameters.values()
     names = {
         p.name
-        for p in signature.parameters.values()
+        for p in params
         if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL) and p.name != "self"
     }
+    if any(p.kind is p.VAR_KEYWORD for p in params):
+        # `**kwargs` reach Keras' base class: its arguments are accepted.
+        names |= set(_BASE_ARGUMENTS)
     return names | {"jit_compile", "lr", "averaging"}
+
+
+_BASE_ARGUMENTS = tuple(
+    name
+    for name in inspect.signature(BaseOptimizer.__init__).parameters
+    if name not in ("self", "kwargs")
+)
 
 
 def _defaults(signature):

@@ -10,8 +10,10 @@ written again: on the same gradients each gives what
 import inspect
 
 import keras
+from keras.src.optimizers.base_optimizer import BaseOptimizer
 
 from keras_ema_opt import backend
+from keras_ema_opt.errors import InvalidArgumentError
 from keras_ema_opt.optimizer import Optimizer
 
 NAMES = (
@@ -56,6 +58,10 @@ _DOC = """{name} with the Keras 2 optimizer contract.
 
 def _signature(keras_cls):
     sig = inspect.signature(keras_cls.__init__)
+    if any(p.kind is p.VAR_POSITIONAL for p in sig.parameters.values()):
+        # `__init__(self, *args, **kwargs)` (a backend class in between):
+        # the arguments are those of Keras' base optimizer.
+        sig = inspect.signature(BaseOptimizer.__init__)
     params = [
         p for p in sig.parameters.values() if p.kind is not p.VAR_KEYWORD
     ]
@@ -67,8 +73,39 @@ def _signature(keras_cls):
     return sig, sig.replace(parameters=params)
 
 
-def _named(name):
-    keras_cls = backend.keras_optimizer_class(name)
+_CONTRACT_CLASSES = {}
+
+
+def contract_class(keras_cls):
+    """``keras_cls`` with the Keras 2 contract and averaging in front of it.
+
+    The class is made once per Keras class and registered as Keras
+    serializable under ``keras_ema_opt>`` + its name, so ``.keras`` files
+    holding it load once this function has run for the same class (the
+    named optimizers are made at import).
+
+    Args:
+        keras_cls: A subclass of ``keras.optimizers.Optimizer``.
+
+    Returns:
+        A subclass of ``keras_ema_opt.Optimizer`` and ``keras_cls``.
+
+    Example:
+
+    ```python
+    import keras
+    import keras_ema_opt
+
+    Muon = keras_ema_opt.contract_class(keras.optimizers.Muon)
+    optimizer = Muon(averaging=keras_ema_opt.EMA(0.99))
+    ```
+    """
+    if issubclass(keras_cls, Optimizer):
+        return keras_cls
+    cls = _CONTRACT_CLASSES.get(keras_cls)
+    if cls is not None:
+        return cls
+    name = keras_cls.__name__
     keras_sig, public_sig = _signature(keras_cls)
 
     def __init__(self, *args, **kwargs):
@@ -92,9 +129,19 @@ def _named(name):
             "__qualname__": name,
         },
     )
-    return keras.saving.register_keras_serializable(package="keras_ema_opt")(
+    cls = keras.saving.register_keras_serializable(package="keras_ema_opt")(
         cls
     )
+    _CONTRACT_CLASSES[keras_cls] = cls
+    return cls
+
+
+def _named(name):
+    cls = contract_class(backend.keras_optimizer_class(name))
+    # `keras.optimizers.<Name>` itself maps to ours too (on PyTorch Keras
+    # instantiates a multi-tensor subclass of it).
+    _CONTRACT_CLASSES.setdefault(getattr(keras.optimizers, name), cls)
+    return cls
 
 
 SGD = _named("SGD")
@@ -108,3 +155,90 @@ RMSprop = _named("RMSprop")
 Ftrl = _named("Ftrl")
 Lion = _named("Lion")
 Adafactor = _named("Adafactor")
+
+
+def averaged(optimizer, averaging):
+    """Add weight averaging to any Keras 3 optimizer.
+
+    Returns a new, unbuilt optimizer of the same kind and configuration with
+    ``averaging`` attached and the Keras 2 contract: Keras' own optimizers
+    (``keras.optimizers.Lion``, ``Muon``, ...), a user's subclass of
+    ``keras.optimizers.Optimizer`` (its ``get_config`` must round-trip), one
+    of ours, or a ``keras.optimizers.LossScaleOptimizer`` (the inner
+    optimizer gets the averages; averages are only updated on the steps the
+    loss scale lets through).
+
+    Args:
+        optimizer: An optimizer that has not been built yet.
+        averaging: ``keras_ema_opt.EMA(...)``, ``SWA(...)``, ``PowerEMA(...)``
+            or another ``Averaging``.
+
+    Returns:
+        The averaged optimizer.
+
+    Example:
+
+    ```python
+    import keras
+    import keras_ema_opt
+
+    optimizer = keras_ema_opt.averaged(
+        keras.optimizers.Lion(learning_rate=1e-4), keras_ema_opt.EMA(0.999)
+    )
+    ```
+    """
+    if not isinstance(optimizer, keras.optimizers.Optimizer):
+        raise InvalidArgumentError(
+            "averaged() takes a Keras 3 optimizer instance. Received: "
+            f"{optimizer!r}"
+        )
+    if optimizer.built:
+        raise InvalidArgumentError(
+            f"averaged() needs an optimizer that has not been built yet; "
+            f"{optimizer.name} already holds state for "
+            f"{len(optimizer._trainable_variables)} variables. Call "
+            "averaged() before compile()/fit() or the first apply."
+        )
+    if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
+        config = optimizer.get_config()
+        config.pop("inner_optimizer")
+        inner = averaged(optimizer.inner_optimizer, averaging)
+        return AveragedLossScaleOptimizer(inner, **config)
+    config = optimizer.get_config()
+    config["averaging"] = averaging
+    return contract_class(type(optimizer)).from_config(config)
+
+
+@keras.saving.register_keras_serializable(package="keras_ema_opt")
+class AveragedLossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
+    """``LossScaleOptimizer`` whose inner optimizer keeps weight averages.
+
+    Made by ``averaged(LossScaleOptimizer(...), averaging)``; the averaging
+    API (``average_of``, ``swap_average``, ``assign_averages``,
+    ``averaging``) reaches the inner optimizer.
+
+    Example:
+
+    ```python
+    import keras
+    import keras_ema_opt
+
+    optimizer = keras_ema_opt.averaged(
+        keras.optimizers.LossScaleOptimizer(keras.optimizers.Adam()),
+        keras_ema_opt.EMA(0.99),
+    )
+    ```
+    """
+
+    @property
+    def averaging(self):
+        return self.inner_optimizer.averaging
+
+    def average_of(self, variable, slot=0):
+        return self.inner_optimizer.average_of(variable, slot)
+
+    def swap_average(self, model=None, slot=0):
+        return self.inner_optimizer.swap_average(model, slot)
+
+    def assign_averages(self, var_list=None, slot=0):
+        return self.inner_optimizer.assign_averages(var_list, slot)

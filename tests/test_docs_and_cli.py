@@ -16,7 +16,11 @@ from keras_ema_opt import cli
 
 ROOT = Path(__file__).resolve().parent.parent
 PUBLIC = [getattr(keras_ema_opt, n) for n in keras_ema_opt.__all__
-          if n != "errors"]
+          if n not in ("errors", "callbacks")] + [
+    keras_ema_opt.callbacks.SwapAverage,
+    keras_ema_opt.callbacks.AveragedCheckpoint,
+    keras_ema_opt.Optimizer.swap_average,
+]
 
 
 def _python_blocks(text):

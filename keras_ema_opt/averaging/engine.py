@@ -89,10 +89,10 @@ class Averager:
 
     # -- update ------------------------------------------------------------
 
-    def update(self, optimizer):
-        """One update after the optimizer's step (traceable, no Python ifs on
-        tensors). Under gradient accumulation only real steps count."""
-        strategy = self.strategy
+    @staticmethod
+    def _step(optimizer):
+        """(t, real): the 1-based real step just taken, and whether this
+        call is a real step (``None``: always, no accumulation)."""
         steps = optimizer.gradient_accumulation_steps
         raw = optimizer._iterations
         if steps:
@@ -100,8 +100,29 @@ class Averager:
             t = ops.floor_divide(raw, steps) + 1
         else:
             real, t = None, raw + 1
-        t = ops.cast(t, "int32")
-        plain = not steps and strategy.start_step == 0 and strategy.every == 1
+        return ops.cast(t, "int32"), real
+
+    def overwrite(self, optimizer, frequency):
+        """Keras 2's ``ema_overwrite_frequency``: every ``frequency`` steps
+        the weights become their averages."""
+        t, real = self._step(optimizer)
+        due = ops.equal(ops.mod(t, frequency), 0)
+        if real is not None:
+            due = ops.logical_and(due, real)
+        for i, (var, slots) in enumerate(zip(self.variables, self.slots)):
+            if slots is None:
+                continue
+            average = ops.cast(self.value(i), var.dtype)
+            var.assign(ops.where(due, average, var.value))
+
+    def update(self, optimizer):
+        """One update after the optimizer's step (traceable, no Python ifs on
+        tensors). Under gradient accumulation only real steps count."""
+        strategy = self.strategy
+        t, real = self._step(optimizer)
+        plain = real is None and strategy.start_step == 0 and (
+            strategy.every == 1
+        )
         if plain:
             average = copy = None
         else:

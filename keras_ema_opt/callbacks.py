@@ -1,0 +1,189 @@
+"""Callbacks that use the averaged weights during ``fit``/``evaluate``/
+``predict``.
+
+- ``SwapAverage``: evaluation, testing and prediction run on the averaged
+  weights, then the raw weights come back bit for bit; with
+  ``swap_on_epoch=True`` the averages are also in the model at the end of
+  each epoch, for ``ModelCheckpoint`` or ``EarlyStopping`` listed after it.
+- ``AveragedCheckpoint``: writes the averaged model as ``.keras`` during
+  ``fit``, atomically.
+"""
+
+import os
+import tempfile
+
+import keras
+
+from keras_ema_opt.errors import InvalidArgumentError
+
+
+def _averaging_optimizer(model, who):
+    optimizer = getattr(model, "optimizer", None)
+    if optimizer is None or not hasattr(optimizer, "swap_average") or (
+        getattr(optimizer, "averaging", None) is None
+    ):
+        raise InvalidArgumentError(
+            f"{who} needs a model compiled with a keras_ema_opt optimizer "
+            "that averages (`use_ema=True`, `averaging=...`, or "
+            "`keras_ema_opt.averaged(...)`). Received the optimizer "
+            f"{optimizer!r}."
+        )
+    return optimizer
+
+
+class SwapAverage(keras.callbacks.Callback):
+    """Evaluate, test and predict on the averaged weights, then restore.
+
+    Unlike Keras 3.15's ``SwapEMAWeights`` it restores the raw weights after
+    ``predict`` (defect L1), and early stopping with ``swap_on_epoch=True``
+    ends training on the averages (defect L2): the optimizer's
+    ``finalize_variable_values`` settles the open swap.
+
+    Args:
+        swap_on_epoch: Also hold the averages in the model from the end of
+            each epoch to the start of the next (put ``ModelCheckpoint`` or
+            ``EarlyStopping`` after this callback to act on them).
+        slot: Which average, for strategies keeping several (PowerEMA).
+
+    Example:
+
+    ```python
+    import keras
+    import numpy as np
+    import keras_ema_opt
+
+    model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+    model.compile(optimizer=keras_ema_opt.Adam(use_ema=True), loss="mse")
+    x, y = np.ones((8, 2)), np.ones((8, 1))
+    model.fit(x, y, validation_data=(x, y), verbose=0,
+              callbacks=[keras_ema_opt.callbacks.SwapAverage()])
+    ```
+    """
+
+    def __init__(self, swap_on_epoch=False, slot=0):
+        super().__init__()
+        self.swap_on_epoch = bool(swap_on_epoch)
+        self.slot = slot
+        self._open = None
+
+    @property
+    def averages_in_model(self):
+        """Whether the model holds the averaged weights now."""
+        return self._open is not None
+
+    def _swap_in(self):
+        if self._open is None:
+            optimizer = _averaging_optimizer(self.model, "SwapAverage")
+            if not optimizer.built:
+                return
+            self._open = optimizer.swap_average(self.model, self.slot)
+            self._open.__enter__()
+
+    def _swap_out(self):
+        if self._open is not None:
+            context, self._open = self._open, None
+            context.__exit__(None, None, None)
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self._swap_out()
+
+    def on_epoch_end(self, epoch, logs=None):
+        if self.swap_on_epoch:
+            self._swap_in()
+
+    def on_test_begin(self, logs=None):
+        self._swap_in()
+
+    def on_test_end(self, logs=None):
+        if not self.swap_on_epoch or not self._in_fit():
+            self._swap_out()
+
+    def on_predict_begin(self, logs=None):
+        self._swap_in()
+
+    def on_predict_end(self, logs=None):
+        self._swap_out()
+
+    def on_train_end(self, logs=None):
+        # fit() has called finalize_variable_values, which settled the swap;
+        # closing it here restores nothing.
+        self._fitting = False
+        self._swap_out()
+
+    def _in_fit(self):
+        return bool(getattr(self, "_fitting", False))
+
+    def on_train_begin(self, logs=None):
+        self._fitting = True
+        self._swap_out()
+
+
+
+class AveragedCheckpoint(keras.callbacks.Callback):
+    """Save the averaged model as ``.keras`` at the end of epochs.
+
+    The file holds the averaged weights in the model and the full optimizer
+    state (raw weights are restored in memory right after). Writing goes to
+    a temporary file in the same folder, renamed into place, so a crash
+    never leaves a partial file.
+
+    Args:
+        filepath: Path ending in ``.keras``; may hold ``{epoch}`` and log
+            keys, e.g. ``"avg-{epoch:02d}-{val_loss:.3f}.keras"``.
+        save_freq: Save every ``save_freq`` epochs.
+        slot: Which average, for strategies keeping several (PowerEMA).
+
+    Example:
+
+    ```python
+    import os, tempfile
+    import keras
+    import numpy as np
+    import keras_ema_opt
+
+    model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+    model.compile(optimizer=keras_ema_opt.SGD(averaging=keras_ema_opt.SWA()),
+                  loss="mse")
+    path = os.path.join(tempfile.mkdtemp(), "averaged-{epoch}.keras")
+    model.fit(np.ones((8, 2)), np.ones((8, 1)), epochs=2, verbose=0,
+              callbacks=[keras_ema_opt.callbacks.AveragedCheckpoint(path)])
+    ```
+    """
+
+    def __init__(self, filepath, save_freq=1, slot=0):
+        super().__init__()
+        filepath = os.fspath(filepath)
+        if not filepath.endswith(".keras"):
+            raise InvalidArgumentError(
+                "AveragedCheckpoint writes `.keras` files: `filepath` must "
+                f"end in '.keras'. Received: filepath={filepath!r}"
+            )
+        if isinstance(save_freq, bool) or not isinstance(save_freq, int) or (
+            save_freq < 1
+        ):
+            raise InvalidArgumentError(
+                "`save_freq` must be an integer >= 1 (epochs). Received: "
+                f"save_freq={save_freq!r}"
+            )
+        self.filepath = filepath
+        self.save_freq = save_freq
+        self.slot = slot
+        self.saved = []
+
+    def on_epoch_end(self, epoch, logs=None):
+        if (epoch + 1) % self.save_freq:
+            return
+        optimizer = _averaging_optimizer(self.model, "AveragedCheckpoint")
+        path = self.filepath.format(epoch=epoch + 1, **(logs or {}))
+        folder = os.path.dirname(os.path.abspath(path))
+        os.makedirs(folder, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(suffix=".keras", dir=folder)
+        os.close(fd)
+        try:
+            with optimizer.swap_average(self.model, self.slot):
+                self.model.save(tmp)
+            os.replace(tmp, path)
+        finally:
+            if os.path.exists(tmp):
+                os.remove(tmp)
+        self.saved.append(path)

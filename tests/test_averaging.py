@@ -1,0 +1,416 @@
+"""The averaging engine in use: swaps, callbacks, finalize, dtypes,
+accumulation, averaged() on any optimizer, state in .keras files, and the
+Keras 3.15 defects L1-L6 (../shared/reference/averaging-anchors.md)."""
+
+import os
+
+import keras
+import numpy as np
+import pytest
+from conftest import BACKEND
+from conftest import to_numpy
+
+import keras_ema_opt
+from keras_ema_opt.callbacks import AveragedCheckpoint
+from keras_ema_opt.callbacks import SwapAverage
+from keras_ema_opt.errors import InvalidArgumentError
+
+
+def _data(n=32, seed=0):
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(n, 4)).astype("float32")
+    y = (x @ np.array([[1.0], [-2.0], [0.5], [3.0]], "float32"))
+    return x, y.astype("float32")
+
+
+def _model(seed=3):
+    keras.utils.set_random_seed(seed)
+    return keras.Sequential([
+        keras.Input((4,)),
+        keras.layers.Dense(8, activation="relu"),
+        keras.layers.Dense(1),
+    ])
+
+
+def _weights(model):
+    return [to_numpy(v).copy() for v in model.trainable_variables]
+
+
+def _averages(model):
+    opt = model.optimizer
+    return [to_numpy(opt.average_of(v)).copy()
+            for v in model.trainable_variables]
+
+
+def _bits_equal(a, b):
+    a, b = np.asarray(a), np.asarray(b)
+    return a.dtype == b.dtype and a.tobytes() == b.tobytes()
+
+
+def _fit_model(averaging=None, epochs=2, **fit_kwargs):
+    x, y = _data()
+    model = _model()
+    opt = keras_ema_opt.Adam(
+        learning_rate=0.05,
+        **({"use_ema": True, "ema_momentum": 0.8} if averaging is None
+           else {"averaging": averaging}),
+    )
+    model.compile(optimizer=opt, loss="mse")
+    model.fit(x, y, batch_size=8, epochs=epochs, verbose=0, **fit_kwargs)
+    return model, x, y
+
+
+# ---------------------------------------------------------------------------
+# Swaps
+# ---------------------------------------------------------------------------
+
+
+def test_swap_average_is_bit_exact():
+    model, x, _ = _fit_model(keras_ema_opt.EMA(0.9, finalize=False))
+    # Magnitudes where an add/subtract swap would lose bits.
+    big = model.trainable_variables[0]
+    big.assign(to_numpy(big) * 1e30)
+    raw = _weights(model)
+    averages = _averages(model)
+    with model.optimizer.swap_average(model):
+        for v, a in zip(model.trainable_variables, averages):
+            assert _bits_equal(to_numpy(v), a)
+    for v, r in zip(model.trainable_variables, raw):
+        assert _bits_equal(to_numpy(v), r)
+
+
+def test_swap_restores_after_an_exception():
+    model, _, _ = _fit_model(keras_ema_opt.EMA(0.9, finalize=False))
+    raw = _weights(model)
+    with pytest.raises(RuntimeError, match="boom"):
+        with model.optimizer.swap_average(model):
+            raise RuntimeError("boom")
+    for v, r in zip(model.trainable_variables, raw):
+        assert _bits_equal(to_numpy(v), r)
+
+
+def test_average_of_and_assign_averages():
+    model, _, _ = _fit_model(keras_ema_opt.SWA(finalize=False))
+    opt = model.optimizer
+    first = model.trainable_variables[0]
+    expected = to_numpy(opt.average_of(first))
+    opt.assign_averages([first])
+    assert _bits_equal(to_numpy(first), expected)
+    with pytest.raises(KeyError, match="No average is kept"):
+        opt.average_of(keras.Variable(np.zeros(2, "float32")))
+
+
+def test_averaging_api_needs_averaging():
+    opt = keras_ema_opt.Adam()
+    with pytest.raises(ValueError, match=r"swap_average\(\) needs averaging"):
+        opt.swap_average()
+    opt = keras_ema_opt.Adam(use_ema=True)
+    with pytest.raises(ValueError, match="needs the optimizer built"):
+        opt.average_of(keras.Variable(1.0))
+
+
+# ---------------------------------------------------------------------------
+# Keras 3.15 defects
+# ---------------------------------------------------------------------------
+
+
+def test_l1_predict_with_swap_callback_restores_raw_weights():
+    model, x, _ = _fit_model(keras_ema_opt.EMA(0.8, finalize=False))
+    raw = _weights(model)
+    callback = SwapAverage()
+    averaged_out = model.predict(x, verbose=0, callbacks=[callback])
+    for v, r in zip(model.trainable_variables, raw):
+        assert _bits_equal(to_numpy(v), r)
+    assert not callback.averages_in_model
+    with model.optimizer.swap_average(model):
+        expected = model.predict(x, verbose=0)
+    np.testing.assert_array_equal(averaged_out, expected)
+    assert not np.allclose(model.predict(x, verbose=0), expected)
+
+
+def test_l2_early_stop_with_swap_on_epoch_ends_on_averages():
+    class StopAfterSecondEpoch(keras.callbacks.Callback):
+        def on_epoch_end(self, epoch, logs=None):
+            if epoch == 1:
+                self.model.stop_training = True
+
+    x, y = _data()
+    model = _model()
+    model.compile(optimizer=keras_ema_opt.Adam(0.05, use_ema=True,
+                                               ema_momentum=0.8),
+                  loss="mse")
+    model.fit(x, y, batch_size=8, epochs=5, verbose=0,
+              callbacks=[SwapAverage(swap_on_epoch=True),
+                         StopAfterSecondEpoch()])
+    assert int(to_numpy(model.optimizer.iterations)) == 8
+    for v, a in zip(_weights(model), _averages(model)):
+        assert _bits_equal(v, a)
+
+
+def test_l4_gradient_accumulation_averages_once_per_real_step():
+    w0 = np.array([1.0, -1.0], "float32")
+    w = keras.Variable(w0)
+    opt = keras_ema_opt.SGD(learning_rate=1.0, gradient_accumulation_steps=2,
+                            averaging=keras_ema_opt.EMA(0.5))
+    grads = [np.array(g, "float32") for g in
+             ([1.0, 2.0], [3.0, 0.0], [-1.0, 1.0], [0.5, 0.5])]
+    for g in grads:
+        opt.apply_gradients([(keras.ops.convert_to_tensor(g), w)])
+    w1 = w0 - (grads[0] + grads[1]) / 2
+    w2 = w1 - (grads[2] + grads[3]) / 2
+    expected = 0.5 * (0.5 * w0 + 0.5 * w1) + 0.5 * w2
+    np.testing.assert_allclose(to_numpy(w), w2, rtol=1e-6)
+    np.testing.assert_allclose(to_numpy(opt.average_of(w)), expected,
+                               rtol=1e-6)
+    assert int(to_numpy(opt._averager.count)) == 2
+
+
+@pytest.mark.parametrize("frequency", [None, 1])
+def test_l5_overwrite_with_gradient_variables_are_skipped(frequency):
+    scale = keras.Variable(np.ones(2, "float32"))
+    scale.overwrite_with_gradient = True
+    w = keras.Variable(np.array([2.0, 4.0], "float32"))
+    opt = keras_ema_opt.SGD(learning_rate=0.5, use_ema=True, ema_momentum=0.5,
+                            ema_overwrite_frequency=frequency)
+    g = keras.ops.convert_to_tensor(np.array([1.0, 1.0], "float32"))
+    opt.apply_gradients([(g * 3.0, scale), (g, w)])
+    np.testing.assert_allclose(to_numpy(scale), [3.0, 3.0])
+    assert opt.average_of(scale) is None
+    with opt.swap_average([scale, w]):
+        np.testing.assert_allclose(to_numpy(scale), [3.0, 3.0])
+    opt.finalize_variable_values([scale, w])
+    np.testing.assert_allclose(to_numpy(scale), [3.0, 3.0])
+
+
+def test_l6_finalize_false_keeps_raw_weights_after_fit():
+    x, y = _data()
+    model = _model()
+    model.compile(optimizer=keras_ema_opt.Adam(
+        0.05, averaging=keras_ema_opt.EMA(0.8, finalize=False)), loss="mse")
+    model.fit(x, y, batch_size=8, epochs=1, verbose=0)
+    raw = _weights(model)
+    averages = _averages(model)
+    assert not all(np.allclose(r, a) for r, a in zip(raw, averages))
+    # The default (Keras 2) finalize writes the averages, on a second model.
+    again = _model()
+    again.compile(optimizer=keras_ema_opt.Adam(
+        0.05, averaging=keras_ema_opt.EMA(0.8)), loss="mse")
+    again.fit(x, y, batch_size=8, epochs=1, verbose=0)
+    for v, r, a in zip(_weights(again), raw, averages):
+        np.testing.assert_allclose(v, a, rtol=1e-6, atol=1e-7)
+    # A second fit() resumes from the raw weights, not the averages.
+    model.fit(x, y, batch_size=8, epochs=1, verbose=0)
+
+
+# ---------------------------------------------------------------------------
+# Callbacks
+# ---------------------------------------------------------------------------
+
+
+def test_swap_average_callback_evaluates_on_averages_during_fit():
+    class Record(keras.callbacks.Callback):
+        def __init__(self):
+            super().__init__()
+            self.val = []
+
+        def on_epoch_end(self, epoch, logs=None):
+            self.val.append(logs["val_loss"])
+
+    x, y = _data()
+    model = _model()
+    model.compile(optimizer=keras_ema_opt.Adam(
+        0.05, averaging=keras_ema_opt.EMA(0.8, finalize=False)), loss="mse")
+    record = Record()
+    model.fit(x, y, batch_size=8, epochs=1, verbose=0,
+              validation_data=(x, y), callbacks=[SwapAverage(), record])
+    with model.optimizer.swap_average(model):
+        expected = model.evaluate(x, y, verbose=0)
+    assert record.val[0] == pytest.approx(expected, rel=1e-5)
+    raw = model.evaluate(x, y, verbose=0)
+    assert raw != pytest.approx(expected, rel=1e-3)
+
+
+def test_swap_on_epoch_lets_model_checkpoint_save_averages(tmp_path):
+    path = tmp_path / "best.weights.h5"
+    x, y = _data()
+    model = _model()
+    model.compile(optimizer=keras_ema_opt.Adam(
+        0.05, averaging=keras_ema_opt.EMA(0.8, finalize=False)), loss="mse")
+    model.fit(x, y, batch_size=8, epochs=2, verbose=0, callbacks=[
+        SwapAverage(swap_on_epoch=True),
+        keras.callbacks.ModelCheckpoint(str(path), save_weights_only=True),
+    ])
+    averages = _averages(model)
+    saved = _model()
+    saved.load_weights(str(path))
+    for v, a in zip(_weights(saved), averages):
+        assert _bits_equal(v, a)
+
+
+def test_averaged_checkpoint_writes_the_averaged_model(tmp_path):
+    x, y = _data()
+    model = _model()
+    model.compile(optimizer=keras_ema_opt.SGD(
+        0.05, averaging=keras_ema_opt.SWA(finalize=False)), loss="mse")
+    callback = AveragedCheckpoint(tmp_path / "avg-{epoch}.keras")
+    model.fit(x, y, batch_size=8, epochs=2, verbose=0, callbacks=[callback])
+    assert sorted(os.listdir(tmp_path)) == ["avg-1.keras", "avg-2.keras"]
+    loaded = keras.saving.load_model(tmp_path / "avg-2.keras")
+    for v, a in zip(_weights(loaded), _averages(model)):
+        assert _bits_equal(v, a)
+    # The raw weights are back in the live model.
+    assert not all(np.allclose(v, a) for v, a in
+                   zip(_weights(model), _averages(model)))
+
+
+def test_callback_errors_name_what_was_received():
+    with pytest.raises(InvalidArgumentError, match="must end in '.keras'"):
+        AveragedCheckpoint("model.h5")
+    with pytest.raises(InvalidArgumentError, match="save_freq=0"):
+        AveragedCheckpoint("m.keras", save_freq=0)
+    x, y = _data()
+    model = _model()
+    model.compile(optimizer=keras.optimizers.Adam(), loss="mse")
+    with pytest.raises(InvalidArgumentError, match="needs a model compiled"):
+        model.predict(x, verbose=0, callbacks=[SwapAverage()])
+
+
+# ---------------------------------------------------------------------------
+# What is averaged, and how it is stored
+# ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_float32_averages_of_low_precision_weights(dtype):
+    w = keras.Variable(np.ones((4,), "float32"), dtype=dtype)
+    opt = keras_ema_opt.SGD(learning_rate=0.05, averaging=keras_ema_opt.EMA(
+        0.999, average_dtype="float32"))
+    trajectory = [to_numpy(w).astype(np.float64)]
+    for _ in range(20):
+        opt.apply_gradients([(keras.ops.ones((4,), dtype=dtype), w)])
+        trajectory.append(to_numpy(w).astype(np.float64))
+    average = opt.average_of(w)
+    assert keras.backend.standardize_dtype(average.dtype) == "float32"
+    assert keras.backend.standardize_dtype(w.dtype) == dtype
+    expected = trajectory[0]
+    for t in trajectory[1:]:
+        expected = 0.999 * expected + 0.001 * t
+    # XLA may keep a compiled step's weights in float32 before rounding
+    # them to the storage dtype (excess precision): allow half an ulp of
+    # the weights per step in the average.
+    np.testing.assert_allclose(to_numpy(average), expected, atol=2e-4)
+    # Each increment (~1e-3 * 0.05 t) is below the low-precision spacing
+    # near 1: an average kept in the weights' own dtype would stay at 1.
+    assert np.all(to_numpy(average) < 0.995)
+
+
+def test_strategy_errors_name_the_value():
+    with pytest.raises(InvalidArgumentError, match=r"momentum=1\.5"):
+        keras_ema_opt.EMA(1.5)
+    with pytest.raises(InvalidArgumentError, match="warmup='linear'"):
+        keras_ema_opt.EMA(warmup="linear")
+    with pytest.raises(InvalidArgumentError, match="every=0"):
+        keras_ema_opt.SWA(every=0)
+    with pytest.raises(InvalidArgumentError, match="start_step=-1"):
+        keras_ema_opt.SWA(start_step=-1)
+    with pytest.raises(InvalidArgumentError, match="Received: averaging=0.9"):
+        keras_ema_opt.Adam(averaging=0.9)
+    with pytest.raises(InvalidArgumentError, match="cannot be combined"):
+        keras_ema_opt.Adam(averaging=keras_ema_opt.EMA(debias=True),
+                           ema_overwrite_frequency=2)
+
+
+STRATEGIES = {
+    "ema_power": keras_ema_opt.EMA(0.99, warmup="power", start_step=2),
+    "ema_debias": keras_ema_opt.EMA(0.9, debias=True),
+    "swa": keras_ema_opt.SWA(start_step=1, every=2),
+}
+
+
+@pytest.mark.parametrize("key", sorted(STRATEGIES))
+def test_keras_file_carries_averaging_state(key, tmp_path):
+    x, y = _data()
+    model = _model()
+    model.compile(optimizer=keras_ema_opt.AdamW(
+        0.05, averaging=STRATEGIES[key]), loss="mse")
+    for i in range(3):
+        model.train_on_batch(x[i * 8:(i + 1) * 8], y[i * 8:(i + 1) * 8])
+    model.save(tmp_path / "m.keras")
+    loaded = keras.saving.load_model(tmp_path / "m.keras")
+    assert loaded.optimizer.averaging == STRATEGIES[key]
+    for i in range(3, 7):
+        batch = (x[(i % 4) * 8:(i % 4 + 1) * 8], y[(i % 4) * 8:(i % 4 + 1) * 8])
+        model.train_on_batch(*batch)
+        loaded.train_on_batch(*batch)
+    for a, b in zip(_averages(model), _averages(loaded)):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+    assert int(to_numpy(loaded.optimizer._averager.count)) == int(
+        to_numpy(model.optimizer._averager.count))
+
+
+# ---------------------------------------------------------------------------
+# averaged(): any Keras 3 optimizer
+# ---------------------------------------------------------------------------
+
+
+class PlainSGD(keras.optimizers.Optimizer):
+    """A user's own Keras 3 optimizer."""
+
+    def update_step(self, gradient, variable, learning_rate):
+        lr = keras.ops.cast(learning_rate, variable.dtype)
+        self.assign_sub(variable, keras.ops.multiply(gradient, lr))
+
+
+def _keras_optimizers():
+    return {
+        "Lion": lambda: keras.optimizers.Lion(learning_rate=0.01),
+        "Muon": lambda: keras.optimizers.Muon(learning_rate=0.01),
+        "user": lambda: PlainSGD(learning_rate=0.1),
+        "ours": lambda: keras_ema_opt.Adam(0.01),
+        "LossScale": lambda: keras.optimizers.LossScaleOptimizer(
+            keras.optimizers.Adam(0.01)),
+    }
+
+
+@pytest.mark.parametrize("kind", sorted(_keras_optimizers()))
+def test_averaged_adds_averaging_to_any_optimizer(kind):
+    x, y = _data()
+    model = _model()
+    base = _keras_optimizers()[kind]()
+    opt = keras_ema_opt.averaged(base, keras_ema_opt.EMA(0.5, finalize=False))
+    config = {k: v for k, v in opt.get_config().items() if k != "averaging"}
+    base_config = base.get_config()
+    assert {k: config.get(k) for k in base_config if k not in
+            ("use_ema", "inner_optimizer")} == {
+        k: v for k, v in base_config.items() if k not in
+        ("use_ema", "inner_optimizer")}
+    model.compile(optimizer=opt, loss="mse")
+    trajectory = [_weights(model)]
+    for i in range(3):
+        model.train_on_batch(x[i * 8:(i + 1) * 8], y[i * 8:(i + 1) * 8])
+        trajectory.append(_weights(model))
+    averages = _averages(model)
+    for j, a in enumerate(averages):
+        expected = np.asarray(trajectory[0][j], np.float64)
+        for step in trajectory[1:]:
+            expected = 0.5 * expected + 0.5 * step[j]
+        np.testing.assert_allclose(a, expected, rtol=1e-5, atol=1e-6)
+
+
+def test_averaged_refuses_a_built_optimizer():
+    opt = keras.optimizers.Adam()
+    opt.build([keras.Variable(np.zeros(2, "float32"))])
+    with pytest.raises(InvalidArgumentError, match="already holds state"):
+        keras_ema_opt.averaged(opt, keras_ema_opt.EMA())
+
+
+def test_averaged_user_optimizer_round_trips_through_keras_file(tmp_path):
+    model = _model()
+    model.compile(optimizer=keras_ema_opt.averaged(
+        PlainSGD(learning_rate=0.1), keras_ema_opt.SWA()), loss="mse")
+    x, y = _data()
+    model.train_on_batch(x[:8], y[:8])
+    model.save(tmp_path / "m.keras")
+    loaded = keras.saving.load_model(tmp_path / "m.keras")
+    assert type(loaded.optimizer).__name__ == "PlainSGD"
+    assert loaded.optimizer.averaging == keras_ema_opt.SWA()
