@@ -22,7 +22,9 @@ import keras
 
 from keras_ema_opt import callbacks
 from keras_ema_opt import errors
+from keras_ema_opt import averaging
 from keras_ema_opt.averaging import EMA
+from keras_ema_opt.averaging import PowerEMA
 from keras_ema_opt.averaging import SWA
 from keras_ema_opt.averaging import Averaging
 from keras_ema_opt.optimizer import Optimizer
@@ -49,6 +51,7 @@ __version__ = "0.1.0.dev0"
 
 __all__ = [
     "EMA",
+    "PowerEMA",
     "SWA",
     "Averaging",
     "AveragedLossScaleOptimizer",
@@ -66,6 +69,7 @@ __all__ = [
     "Nadam",
     "Optimizer",
     "RMSprop",
+    "averaging",
     "callbacks",
     "errors",
 ]

@@ -7,6 +7,8 @@
   each epoch, for ``ModelCheckpoint`` or ``EarlyStopping`` listed after it.
 - ``AveragedCheckpoint``: writes the averaged model as ``.keras`` during
   ``fit``, atomically.
+- ``PowerEMASnapshots``: writes ``PowerEMA`` snapshots every
+  ``snapshot_every`` optimizer steps during ``fit``.
 """
 
 import os
@@ -14,6 +16,7 @@ import tempfile
 
 import keras
 
+from keras_ema_opt import backend
 from keras_ema_opt.errors import InvalidArgumentError
 
 
@@ -187,3 +190,53 @@ class AveragedCheckpoint(keras.callbacks.Callback):
             if os.path.exists(tmp):
                 os.remove(tmp)
         self.saved.append(path)
+
+
+class PowerEMASnapshots(keras.callbacks.Callback):
+    """Write ``PowerEMA`` snapshots every ``snapshot_every`` steps in ``fit``.
+
+    Example:
+
+    ```python
+    import tempfile
+    import keras
+    import numpy as np
+    import keras_ema_opt
+
+    folder = tempfile.mkdtemp()
+    model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+    model.compile(optimizer=keras_ema_opt.SGD(averaging=keras_ema_opt.PowerEMA(
+        snapshot_every=2, snapshot_dir=folder)), loss="mse")
+    model.fit(np.ones((8, 2)), np.ones((8, 1)), batch_size=2, verbose=0,
+              callbacks=[keras_ema_opt.callbacks.PowerEMASnapshots()])
+    weights = model.optimizer.averaging.synthesize(sigma_rel=0.08)
+    ```
+    """
+
+    def __init__(self):
+        super().__init__()
+        self.written = []
+        self._step = 0
+        self._micro = 0
+
+    def on_train_begin(self, logs=None):
+        optimizer = _averaging_optimizer(self.model, "PowerEMASnapshots")
+        if not getattr(optimizer.averaging, "snapshot_every", None):
+            raise InvalidArgumentError(
+                "PowerEMASnapshots needs `PowerEMA(snapshot_every=..., "
+                f"snapshot_dir=...)`. Received: {optimizer.averaging!r}"
+            )
+        self._optimizer = optimizer
+        self._step = int(keras.ops.convert_to_numpy(optimizer.iterations))
+        self._micro = 0
+
+    def on_train_batch_end(self, batch, logs=None):
+        self._micro += 1
+        steps = self._optimizer.gradient_accumulation_steps or 1
+        if self._micro % steps:
+            return
+        self._step += 1
+        if self._step % self._optimizer.averaging.snapshot_every:
+            return
+        backend.sync_training_state(self.model)
+        self.written.append(self._optimizer.save_snapshot())

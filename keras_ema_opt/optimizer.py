@@ -735,6 +735,19 @@ class Optimizer(backend.OptimizerHooks, keras.optimizers.Optimizer):
         variables = engine.model_variables(model) or averager.variables
         return averager.swap(self, variables, slot)
 
+    def save_snapshot(self, directory=None):
+        """Write a snapshot of the power-EMA averages (``PowerEMA`` only).
+
+        ``fit()`` users add the ``PowerEMASnapshots`` callback instead; a
+        custom loop calls this every ``snapshot_every`` steps.
+
+        Returns:
+            The path of the snapshot file.
+        """
+        return self._require_averages("save_snapshot").save_snapshot(
+            self, directory
+        )
+
     def _require_averages(self, what):
         if self._averager is None:
             if self.averaging is None:

@@ -16,9 +16,10 @@ from keras_ema_opt import cli
 
 ROOT = Path(__file__).resolve().parent.parent
 PUBLIC = [getattr(keras_ema_opt, n) for n in keras_ema_opt.__all__
-          if n not in ("errors", "callbacks")] + [
+          if n not in ("errors", "callbacks", "averaging")] + [
     keras_ema_opt.callbacks.SwapAverage,
     keras_ema_opt.callbacks.AveragedCheckpoint,
+    keras_ema_opt.callbacks.PowerEMASnapshots,
     keras_ema_opt.Optimizer.swap_average,
 ]
 

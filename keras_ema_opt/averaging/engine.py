@@ -14,6 +14,7 @@ JAX's stateless steps carry them):
 import contextlib
 
 import keras
+import numpy as np
 from keras import ops
 
 from keras_ema_opt import backend
@@ -188,6 +189,29 @@ class Averager:
             value = ops.divide(value, correction)
         return value
 
+    def save_snapshot(self, optimizer, directory=None):
+        """Write the averages of every slot to a snapshot file (PowerEMA)."""
+        from keras_ema_opt.averaging import posthoc
+
+        strategy = self.strategy
+        directory = directory or getattr(strategy, "snapshot_dir", None)
+        if directory is None or not hasattr(strategy, "gammas"):
+            raise ValueError(
+                "save_snapshot() needs a PowerEMA averaging with a "
+                f"`snapshot_dir`. Received: averaging={strategy!r}"
+            )
+        arrays = {}
+        for var, slots in zip(self.variables, self.slots):
+            if slots is None:
+                continue
+            name = getattr(var, "path", None) or str(var.name)
+            for index, slot in enumerate(slots):
+                arrays[f"{index}/{name}"] = ops.convert_to_numpy(slot.value)
+        step = int(ops.convert_to_numpy(optimizer.iterations))
+        return posthoc.write_snapshot(
+            directory, step, strategy.gammas, strategy.every, arrays
+        )
+
     # -- swapping -----------------------------------------------------------
 
     @contextlib.contextmanager
@@ -243,3 +267,26 @@ def model_variables(target):
     if isinstance(target, (keras.layers.Layer,)):
         return list(target.variables)
     return list(target)
+
+
+def assign_by_path(model, weights):
+    """Assign ``{variable path: array}`` to the variables of ``model``.
+
+    Every entry must name a variable of the model with the same shape: no
+    silent mismatch.
+    """
+    by_path = {v.path: v for v in model_variables(model)}
+    unknown = sorted(set(weights) - set(by_path))
+    if unknown:
+        raise KeyError(
+            f"{len(unknown)} weight(s) name no variable of the model: "
+            f"{unknown[:5]}. The model's variables: {sorted(by_path)[:5]}..."
+        )
+    for path, value in weights.items():
+        var = by_path[path]
+        if tuple(var.shape) != tuple(np.shape(value)):
+            raise ValueError(
+                f"Shape mismatch for {path}: the model has "
+                f"{tuple(var.shape)}, the weights {tuple(np.shape(value))}."
+            )
+        var.assign(ops.cast(value, var.dtype))

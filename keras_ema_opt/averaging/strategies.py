@@ -246,3 +246,111 @@ class SWA(Averaging):
     def decays(self, n, t):
         del t
         return [schedules.running_mean(n)]
+
+
+@_register
+class PowerEMA(Averaging):
+    """Power-function EMAs with snapshots for post-hoc reconstruction (EDM2).
+
+    Keeps one average per ``sigma_rel`` (the profile ``p_t(tau) ~ tau^gamma``
+    of relative width ``sigma_rel``; ``gamma`` from EDM2's ``std_to_exp``),
+    updated every ``every`` steps with ``d = (1 - every / t) ** (gamma + 1)``
+    at step ``t`` (Karras et al. 2024, eq. 2 with ``dt = every``; the first
+    update copies). Every ``snapshot_every`` steps the averages can be
+    written to ``snapshot_dir`` (the ``PowerEMASnapshots`` callback in
+    ``fit``, ``optimizer.save_snapshot()`` in a custom loop), and after
+    training ``synthesize(sigma_rel)`` rebuilds the weights of a power EMA of
+    any other width by the paper's least-squares solve.
+
+    Args:
+        sigma_rels: Relative widths of the averages kept (EDM2: 0.05, 0.10).
+        every: Update interval in optimizer steps.
+        snapshot_every: Snapshot interval in optimizer steps, or ``None``.
+        snapshot_dir: Folder of the snapshots.
+        average_dtype, finalize: see ``Averaging``; ``finalize`` and swaps
+            use the first width.
+
+    Example:
+
+    ```python
+    import tempfile
+    import keras_ema_opt
+
+    averaging = keras_ema_opt.PowerEMA(
+        sigma_rels=(0.05, 0.10), snapshot_every=100,
+        snapshot_dir=tempfile.mkdtemp(),
+    )
+    optimizer = keras_ema_opt.Adam(averaging=averaging)
+    # ... model.fit(..., callbacks=[keras_ema_opt.callbacks.PowerEMASnapshots()])
+    # weights = averaging.synthesize(sigma_rel=0.08)
+    ```
+    """
+
+    def __init__(
+        self,
+        sigma_rels=(0.05, 0.10),
+        every=1,
+        snapshot_every=None,
+        snapshot_dir=None,
+        average_dtype=None,
+        finalize=True,
+        **kwargs,
+    ):
+        kwargs.pop("start_step", None)
+        super().__init__(start_step=0, every=every,
+                         average_dtype=average_dtype, finalize=finalize,
+                         **kwargs)
+        sigma_rels = tuple(float(s) for s in sigma_rels)
+        if not sigma_rels or any(not 0 < s < 0.2886 for s in sigma_rels):
+            raise InvalidArgumentError(
+                "`sigma_rels` must be a non-empty sequence of numbers in "
+                "(0, 0.2886) (0.2886 is the uniform average, gamma = 0). "
+                f"Received: sigma_rels={sigma_rels!r}"
+            )
+        self.sigma_rels = sigma_rels
+        self.gammas = tuple(schedules.sigma_rel_to_gamma(s)
+                            for s in sigma_rels)
+        self.num_slots = len(sigma_rels)
+        if snapshot_every is not None:
+            snapshot_every = _check_int("snapshot_every", snapshot_every, 1)
+            if snapshot_dir is None:
+                raise InvalidArgumentError(
+                    "`snapshot_every` needs a `snapshot_dir` to write to. "
+                    f"Received: snapshot_every={snapshot_every}, "
+                    "snapshot_dir=None"
+                )
+        self.snapshot_every = snapshot_every
+        self.snapshot_dir = None if snapshot_dir is None else str(snapshot_dir)
+
+    def decays(self, n, t):
+        del n
+        return [schedules.power_function(g, t, self.every)
+                for g in self.gammas]
+
+    def synthesize(self, sigma_rel, step=None, snapshot_dir=None):
+        """Weights of a power EMA of width ``sigma_rel`` from the snapshots.
+
+        Returns:
+            A dict ``variable path -> float32 numpy array``; assign it with
+            ``keras_ema_opt.averaging.assign_by_path(model, weights)``.
+        """
+        from keras_ema_opt.averaging import posthoc
+
+        directory = snapshot_dir or self.snapshot_dir
+        if directory is None:
+            raise InvalidArgumentError(
+                "synthesize() needs the snapshot folder: pass "
+                "`snapshot_dir=` here or to PowerEMA."
+            )
+        gamma = schedules.sigma_rel_to_gamma(sigma_rel)
+        return posthoc.synthesize(directory, gamma, step)
+
+    def get_config(self):
+        config = super().get_config()
+        config.pop("start_step")
+        return {
+            "sigma_rels": list(self.sigma_rels),
+            "snapshot_every": self.snapshot_every,
+            "snapshot_dir": self.snapshot_dir,
+            **config,
+        }

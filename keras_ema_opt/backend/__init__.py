@@ -19,6 +19,8 @@ here. Each backend module provides the same set:
 - ``colocate_with(variable)``: a context placing new state beside a variable.
 - ``assign_copy(optimizer, variable, value)``: assign a value that shares no
   buffer with its source.
+- ``sync_training_state(model)``: make the variables current in the middle of
+  ``fit()`` (JAX keeps the state outside them between epochs).
 """
 
 import keras
@@ -49,6 +51,7 @@ aggregate_gradients = _impl.aggregate_gradients
 prepare_gradients = _impl.prepare_gradients
 colocate_with = _impl.colocate_with
 assign_copy = _impl.assign_copy
+sync_training_state = _impl.sync_training_state
 
 __all__ = [
     "NAME",
@@ -61,4 +64,5 @@ __all__ = [
     "keras_optimizer_class",
     "prepare_gradients",
     "resolve_jit_compile",
+    "sync_training_state",
 ]

@@ -113,3 +113,10 @@ def aggregate_gradients(optimizer, grads_and_vars):
 
 def prepare_gradients(grads):
     return list(grads)
+
+
+def sync_training_state(model):
+    """Write ``fit()``'s in-flight JAX state back into the variables."""
+    sync = getattr(model, "jax_state_sync", None)
+    if sync is not None and getattr(model, "_jax_state", None) is not None:
+        sync()

@@ -1,0 +1,159 @@
+"""Power-function EMA and post-hoc reconstruction (Karras et al. 2024,
+EDM2) against float64 numpy references written from the paper."""
+
+import keras
+import numpy as np
+import pytest
+from conftest import to_numpy
+
+import keras_ema_opt
+from keras_ema_opt.callbacks import PowerEMASnapshots
+
+
+def std_to_exp(sigma_rel):
+    """EDM2 Algorithm 2, written independently of the package."""
+    tmp = sigma_rel ** -2
+    roots = np.roots([1.0, 7.0, 16.0 - tmp, 12.0 - tmp])
+    return float(roots[np.isreal(roots)].real.max())
+
+
+def p_dot_p(t_a, g_a, t_b, g_b):
+    """EDM2 appendix C.3, closed form of <p_a, p_b>."""
+    t_ratio = t_a / t_b
+    t_exp = np.where(t_a < t_b, g_b, -g_a)
+    t_max = np.maximum(t_a, t_b)
+    num = (g_a + 1) * (g_b + 1) * t_ratio ** t_exp
+    den = (g_a + g_b + 1) * t_max
+    return num / den
+
+
+def test_gammas_match_the_paper():
+    averaging = keras_ema_opt.PowerEMA(sigma_rels=(0.05, 0.10))
+    np.testing.assert_allclose(averaging.gammas, [16.97, 6.94], atol=0.01)
+    np.testing.assert_allclose(
+        averaging.gammas, [std_to_exp(0.05), std_to_exp(0.10)], rtol=1e-12
+    )
+
+
+def _train(averaging, steps, lr=0.1, seed=4, ramp=False):
+    rng = np.random.default_rng(seed)
+    w0 = rng.normal(size=(2, 3)).astype("float32")
+    w = keras.Variable(w0)
+    opt = keras_ema_opt.SGD(learning_rate=lr, averaging=averaging)
+    weights = [w0.astype(np.float64)]
+    for _ in range(steps):
+        g = (-np.ones(w0.shape) if ramp else rng.normal(size=w0.shape))
+        opt.apply_gradients([(keras.ops.convert_to_tensor(
+            g.astype("float32")), w)])
+        weights.append(to_numpy(w).astype(np.float64))
+    return opt, w, weights
+
+
+def _reference(weights, gamma, every):
+    """theta_hat <- beta theta_hat + (1 - beta) theta, beta = (1 - dt/t)^(g+1)."""
+    a = weights[0].copy()
+    for t in range(1, len(weights)):
+        if t % every == 0:
+            beta = (1.0 - every / t) ** (gamma + 1.0)
+            a = beta * a + (1.0 - beta) * weights[t]
+    return a
+
+
+@pytest.mark.parametrize("every", [1, 3])
+def test_power_ema_equals_float64_reference(every):
+    averaging = keras_ema_opt.PowerEMA(sigma_rels=(0.05, 0.10), every=every)
+    opt, w, weights = _train(averaging, 40)
+    for slot, sigma in enumerate((0.05, 0.10)):
+        expected = _reference(weights, std_to_exp(sigma), every)
+        np.testing.assert_allclose(to_numpy(opt.average_of(w, slot)),
+                                   expected, rtol=2e-5, atol=2e-5)
+
+
+def test_update_interval_is_handled_where_ema_pytorch_is_wrong():
+    """Linear ramp w_t = w_0 + t: the ideal power EMA at T is about
+    w_0 + T (g + 1) / (g + 2). ema-pytorch's (1 - 1/(step+1))^(g+1) with
+    update_every=100 lands near 1466 for T = 20000 (reference L7)."""
+    steps, every = 600, 50
+    averaging = keras_ema_opt.PowerEMA(sigma_rels=(0.10,), every=every)
+    opt, w, weights = _train(averaging, steps, lr=1.0, ramp=True)
+    gamma = std_to_exp(0.10)
+    ideal = weights[0] + steps * (gamma + 1) / (gamma + 2)
+    got = to_numpy(opt.average_of(w)).astype(np.float64)
+    np.testing.assert_allclose(got, _reference(weights, gamma, every),
+                               rtol=1e-5)
+    assert np.all(np.abs(got - ideal) < 0.05 * steps)
+    # ema-pytorch's factor, counted in steps while it updates every 50
+    # (its KarrasEMA), for contrast: far from the ideal.
+    wrong = weights[0].copy()
+    for t in range(every, steps + 1, every):
+        beta = (1 - 1 / (t + 1)) ** (gamma + 1)
+        wrong = beta * wrong + (1 - beta) * weights[t]
+    assert np.all(np.abs(wrong - ideal) > 10 * np.abs(got - ideal))
+
+
+def test_snapshots_and_synthesis_against_the_paper(tmp_path):
+    averaging = keras_ema_opt.PowerEMA(
+        sigma_rels=(0.05, 0.10), snapshot_every=20, snapshot_dir=tmp_path
+    )
+    rng = np.random.default_rng(0)
+    w = keras.Variable(rng.normal(size=(3, 2)).astype("float32"))
+    opt = keras_ema_opt.SGD(learning_rate=0.05, averaging=averaging)
+    for step in range(1, 201):
+        g = rng.normal(size=(3, 2)).astype("float32") + 0.5
+        opt.apply_gradients([(keras.ops.convert_to_tensor(g), w)])
+        if step % 20 == 0:
+            opt.save_snapshot()
+    files = sorted(p.name for p in tmp_path.iterdir())
+    assert files == [f"phema-{s:09d}.npz" for s in range(20, 201, 20)]
+
+    # Float64 reference of EDM2's solve over the same snapshot files.
+    snaps = [np.load(tmp_path / f) for f in files]
+    gammas = [std_to_exp(0.05), std_to_exp(0.10)]
+    in_t = np.array([s for s in range(20, 201, 20) for _ in gammas], float)
+    in_g = np.array([g for _ in range(10) for g in gammas])
+    target_t, target_g = 200.0, std_to_exp(0.08)
+    a = p_dot_p(in_t[:, None], in_g[:, None], in_t[None, :], in_g[None, :])
+    b = p_dot_p(in_t[:, None], in_g[:, None], target_t, target_g)
+    x = np.linalg.lstsq(a, b, rcond=None)[0][:, 0]
+    x = x / x.sum()
+    thetas = [s[f"{i}/{w.path}"].astype(np.float64)
+              for s in snaps for i in range(2)]
+    expected = sum(c * th for c, th in zip(x, thetas))
+    got = averaging.synthesize(0.08)[w.path]
+    np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5)
+
+    # Asking for a stored width at a snapshot step gives that average back.
+    stored = averaging.synthesize(0.10, step=200)[w.path]
+    np.testing.assert_allclose(stored, to_numpy(opt.average_of(w, 1)),
+                               rtol=1e-3, atol=1e-3)
+
+
+def test_snapshots_in_fit_and_assign_by_path(tmp_path):
+    x = np.random.default_rng(0).normal(size=(32, 3)).astype("float32")
+    y = x.sum(axis=1, keepdims=True)
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2),
+                              keras.layers.Dense(1)])
+    averaging = keras_ema_opt.PowerEMA(snapshot_every=4,
+                                       snapshot_dir=tmp_path,
+                                       finalize=False)
+    model.compile(optimizer=keras_ema_opt.Adam(0.01, averaging=averaging),
+                  loss="mse")
+    callback = PowerEMASnapshots()
+    model.fit(x, y, batch_size=8, epochs=3, verbose=0, callbacks=[callback])
+    assert len(callback.written) == 3
+    weights = averaging.synthesize(0.07)
+    assert set(weights) == {v.path for v in model.trainable_variables}
+    keras_ema_opt.averaging.assign_by_path(model, weights)
+    for v in model.trainable_variables:
+        np.testing.assert_array_equal(to_numpy(v), weights[v.path])
+    with pytest.raises(KeyError, match="name no variable"):
+        keras_ema_opt.averaging.assign_by_path(model, {"nope": np.zeros(1)})
+
+
+def test_power_ema_errors():
+    with pytest.raises(ValueError, match="sigma_rels=\\(0.5,\\)"):
+        keras_ema_opt.PowerEMA(sigma_rels=(0.5,))
+    with pytest.raises(ValueError, match="needs a `snapshot_dir`"):
+        keras_ema_opt.PowerEMA(snapshot_every=10)
+    with pytest.raises(ValueError, match="No power-EMA snapshots"):
+        keras_ema_opt.PowerEMA().synthesize(0.1, snapshot_dir="/nonexistent")
