@@ -1,8 +1,9 @@
 #!/usr/bin/env python3
 """Set up a virtual environment from nothing, then run the tests or the example.
 
+    python3 ci/run.py demo      # the main job: `keras-ema-opt demo`
     python3 ci/run.py test      # the test suite, once per Keras backend
-    python3 ci/run.py example   # the runnable example (the main job)
+    python3 ci/run.py example   # the quick-start example, on each backend
 
 Only a Python >= 3.10 with ``venv`` is needed. The environment lives in
 ``.venv/`` (``--venv`` to move it) and is reinstalled when ``pyproject.toml``
@@ -113,7 +114,7 @@ def run_tests(python, backends, pytest_args):
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("command", choices=("test", "example"))
+    parser.add_argument("command", choices=("demo", "test", "example"))
     parser.add_argument("--venv", type=Path, default=ROOT / ".venv")
     parser.add_argument(
         "--backends", default=",".join(BACKENDS),
@@ -124,6 +125,13 @@ def main(argv=None):
     backends = [b for b in args.backends.split(",") if b]
     if args.command == "test":
         return run_tests(python, backends, rest)
+    if args.command == "demo":
+        backend = os.environ.get("KERAS_BACKEND", "jax")
+        log(f"keras-ema-opt demo, KERAS_BACKEND={backend}")
+        return subprocess.run(
+            [str(python), "-m", "keras_ema_opt.cli", "demo", *rest],
+            env=backend_env(backend),
+        ).returncode
     for backend in backends:
         log(f"examples/quickstart.py, KERAS_BACKEND={backend}")
         code = subprocess.run(

@@ -1,5 +1,6 @@
 """The ``keras-ema-opt`` command.
 
+    keras-ema-opt demo        raw vs EMA vs SWA vs post-hoc EMA on digits
     keras-ema-opt info        versions of keras, the backend and this package
     keras-ema-opt --version
 
@@ -27,6 +28,24 @@ def environment_info():
     return info
 
 
+def _demo(args):
+    from keras_ema_opt import demo
+    from keras_ema_opt.errors import InvalidArgumentError
+
+    try:
+        result = demo.run_demo(args.output, epochs=args.epochs,
+                               seed=args.seed, plot=not args.no_plot)
+    except InvalidArgumentError as e:
+        print(f"keras-ema-opt demo: {e}", file=sys.stderr)
+        return 1
+    print()
+    print(f"Keras backend: {result['backend']}, {result['seconds']} s")
+    print(demo.format_table(result))
+    for kind, path in result["files"].items():
+        print(f"{kind}: {path}")
+    return 0
+
+
 def _version(package):
     try:
         return importlib.metadata.version(package)
@@ -45,6 +64,13 @@ def _parser():
         version=f"keras-ema-opt {_version('keras-ema-opt')}",
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    demo = sub.add_parser(
+        "demo", help="train a digits convnet with and without averaging")
+    demo.add_argument("--output", default="keras-ema-opt-demo",
+                      help="folder for the plot, model and results")
+    demo.add_argument("--epochs", type=int, default=12)
+    demo.add_argument("--seed", type=int, default=0)
+    demo.add_argument("--no-plot", action="store_true")
     info = sub.add_parser("info", help="print versions of what is installed")
     info.add_argument("--json", action="store_true", help="print JSON")
     return parser
@@ -54,6 +80,8 @@ def main(argv=None):
     """Run the command line; returns the process exit code."""
     parser = _parser()
     args = parser.parse_args(argv)
+    if args.command == "demo":
+        return _demo(args)
     if args.command == "info":
         info = environment_info()
         if args.json:

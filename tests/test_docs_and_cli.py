@@ -70,3 +70,21 @@ def test_console_script_is_installed():
                          text=True, timeout=120)
     assert out.returncode == 0
     assert out.stdout.startswith("keras-ema-opt ")
+
+
+def test_demo_runs_and_writes_its_files(tmp_path, capsys):
+    pytest.importorskip("sklearn")
+    pytest.importorskip("matplotlib")
+    assert cli.main(["demo", "--output", str(tmp_path), "--epochs", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "raw weights" in out and "post-hoc power EMA" in out
+    for name in ("demo.png", "averaged.keras", "results.json"):
+        assert (tmp_path / name).is_file()
+    assert (tmp_path / "demo.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    import json
+
+    result = json.loads((tmp_path / "results.json").read_text())
+    assert all(0.5 < v <= 1.0 for v in result["final"].values())
+    model = keras.saving.load_model(tmp_path / "averaged.keras")
+    assert type(model.optimizer) is keras_ema_opt.Adam
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith("tmp")]
