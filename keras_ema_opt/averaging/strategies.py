@@ -47,8 +47,6 @@ class Averaging:
             at the step after it.
         every: Average every ``every`` optimizer steps (counted from
             ``start_step``).
-        include_non_trainable: Also average the non-trainable float variables
-            handed to ``optimizer.build_averages`` (BatchNorm statistics).
         average_dtype: Dtype of the averages, e.g. ``"float32"`` for
             bfloat16 / float16 weights; ``None`` keeps each variable's dtype.
         finalize: Whether ``finalize_variable_values`` (called by ``fit()``
@@ -84,13 +82,11 @@ class Averaging:
         self,
         start_step=0,
         every=1,
-        include_non_trainable=False,
         average_dtype=None,
         finalize=True,
     ):
         self.start_step = _check_int("start_step", start_step, 0)
         self.every = _check_int("every", every, 1)
-        self.include_non_trainable = bool(include_non_trainable)
         self.average_dtype = (
             None if average_dtype is None
             else keras.backend.standardize_dtype(average_dtype)
@@ -105,7 +101,6 @@ class Averaging:
         return {
             "start_step": self.start_step,
             "every": self.every,
-            "include_non_trainable": self.include_non_trainable,
             "average_dtype": self.average_dtype,
             "finalize": self.finalize,
         }
@@ -150,8 +145,7 @@ class EMA(Averaging):
     Args:
         momentum: Decay in ``[0, 1]`` (the ceiling with a warm-up).
         warmup: ``None``, ``"num_updates"`` or ``"power"``.
-        start_step, every, include_non_trainable, average_dtype, finalize:
-            see ``Averaging``.
+        start_step, every, average_dtype, finalize: see ``Averaging``.
         debias: Zero start with bias correction.
         inv_gamma, power, min_momentum: the ``"power"`` warm-up.
 
