@@ -32,7 +32,7 @@ from keras_ema_opt.errors import UnknownVariableError
 _CLIP_ARGS = ("clipnorm", "clipvalue", "global_clipnorm")
 # Arguments Keras 2 wrote into configs that carry no meaning any more.
 _DROPPED_ARGS = ("is_legacy_optimizer",)
-# OptimizerV2 arguments the Keras 2 experimental optimizer refused too.
+# OptimizerV2 (``tf.keras.optimizers.legacy``) arguments, honoured here.
 _LEGACY_ARGS = ("decay", "gradient_aggregator", "gradient_transformers")
 
 
@@ -108,18 +108,48 @@ def _check_known(cls_name, arguments, accepted):
     unknown = sorted(k for k in arguments if k not in accepted)
     if not unknown:
         return
-    legacy = [k for k in unknown if k in _LEGACY_ARGS]
-    hint = ""
-    if legacy:
-        hint = (
-            f" {legacy} are Keras 2 OptimizerV2 arguments that the Keras 2 "
-            "optimizer refused as well."
-        )
     received = {k: arguments[k] for k in unknown}
     raise UnknownArgumentError(
-        f"{cls_name} does not accept the argument(s) {received}.{hint} "
+        f"{cls_name} does not accept the argument(s) {received}. "
         f"Accepted arguments: {', '.join(sorted(accepted))}."
     )
+
+
+def _take_legacy_arguments(arguments, clipping):
+    """OptimizerV2's ``decay``, ``gradient_transformers`` and
+    ``gradient_aggregator``, validated as OptimizerV2 did."""
+    decay = arguments.pop("decay", 0.0)
+    if decay is None:
+        decay = 0.0
+    if not _is_real_number(decay) or float(decay) < 0:
+        # OptimizerV2's text.
+        raise InvalidArgumentError(
+            f"Expected decay >= 0, received: {decay}"
+        )
+    transformers = arguments.pop("gradient_transformers", None) or []
+    transformers = list(transformers)
+    for fn in transformers:
+        if not callable(fn):
+            raise InvalidArgumentError(
+                "`gradient_transformers` must be a list of callables taking "
+                "and returning a list of (gradient, variable) pairs. "
+                f"Received: {fn!r}"
+            )
+    for key, value in clipping.items():
+        if value is not None and transformers:
+            raise InvalidArgumentError(
+                f"`{key}` cannot be set when `gradient_transformers` "
+                "is set. Instead, use the `gradient_transformers` to "
+                "specify clipping and other transformations. Received: "
+                f"val={value}, gradient_transformers={transformers}."
+            )
+    aggregator = arguments.pop("gradient_aggregator", None)
+    if aggregator is not None and not callable(aggregator):
+        raise InvalidArgumentError(
+            "`gradient_aggregator` must be a callable taking and returning "
+            f"a list of (gradient, variable) pairs. Received: {aggregator!r}"
+        )
+    return float(decay), transformers, aggregator
 
 
 class Optimizer(backend.OptimizerHooks, keras.optimizers.Optimizer):
@@ -269,6 +299,9 @@ class Optimizer(backend.OptimizerHooks, keras.optimizers.Optimizer):
         _check_known(cls_name, arguments, _accepted_arguments(signature))
         defaults = _defaults(signature)
         value = lambda k: arguments.get(k, defaults.get(k))  # noqa: E731
+        decay, transformers, aggregator = _take_legacy_arguments(
+            arguments, {k: value(k) for k in _CLIP_ARGS}
+        )
         _validate_ema(
             value("use_ema") or averaging is not None,
             value("ema_momentum") if averaging is None else 0.0,
@@ -297,6 +330,9 @@ class Optimizer(backend.OptimizerHooks, keras.optimizers.Optimizer):
             setattr(self, key, clip)
         self.averaging = averaging
         self._averager = None
+        self.decay = decay
+        self.gradient_transformers = transformers
+        self.gradient_aggregator = aggregator
         self._jit_compile_requested = bool(jit_compile)
         self.jit_compile = backend.resolve_jit_compile(jit_compile)
         self._gradients_aggregated = False
@@ -304,6 +340,8 @@ class Optimizer(backend.OptimizerHooks, keras.optimizers.Optimizer):
     def get_config(self):
         config = super().get_config()
         config["jit_compile"] = self.jit_compile
+        if self.decay:
+            config["decay"] = self.decay
         if self.averaging is not None and self.averaging != EMA(
             self.ema_momentum
         ):
@@ -389,6 +427,17 @@ class Optimizer(backend.OptimizerHooks, keras.optimizers.Optimizer):
         if _is_real_number(learning_rate):
             learning_rate = float(learning_rate)
         keras.optimizers.Optimizer.learning_rate.fset(self, learning_rate)
+
+    def _get_current_learning_rate(self):
+        """The learning rate, with OptimizerV2's ``decay``:
+        ``lr / (1 + decay * iterations)``."""
+        lr = super()._get_current_learning_rate()
+        if not self.decay:
+            return lr
+        step = keras.ops.cast(self.iterations, "float32")
+        return keras.ops.divide(
+            keras.ops.cast(lr, "float32"), 1.0 + self.decay * step
+        )
 
     @property
     def variables(self):
@@ -553,6 +602,8 @@ class Optimizer(backend.OptimizerHooks, keras.optimizers.Optimizer):
         Returns:
             A list of ``(gradient, variable)`` pairs.
         """
+        if self.gradient_aggregator is not None:
+            return list(self.gradient_aggregator(list(grads_and_vars)))
         return backend.aggregate_gradients(self, grads_and_vars)
 
     def apply_gradients(
@@ -598,8 +649,20 @@ class Optimizer(backend.OptimizerHooks, keras.optimizers.Optimizer):
         return self._iterations
 
     def apply(self, grads, trainable_variables=None):
-        """Keras 3's ``apply``, with sparse duplicate indices summed first."""
+        """Keras 3's ``apply``, with sparse duplicate indices summed first
+        and OptimizerV2's ``gradient_transformers`` applied in order."""
         grads = backend.prepare_gradients(grads)
+        if self.gradient_transformers:
+            variables = (
+                self._trainable_variables if trainable_variables is None
+                else list(trainable_variables)
+            )
+            pairs = list(zip(grads, variables))
+            for fn in self.gradient_transformers:
+                pairs = list(fn(pairs))
+            grads = [g for g, _ in pairs]
+            if trainable_variables is not None:
+                trainable_variables = [v for _, v in pairs]
         return super().apply(grads, trainable_variables)
 
     # ------------------------------------------------------------------
@@ -846,7 +909,7 @@ def _accepted_arguments(signature):
     if any(p.kind is p.VAR_KEYWORD for p in params):
         # `**kwargs` reach Keras' base class: its arguments are accepted.
         names |= set(_BASE_ARGUMENTS)
-    return names | {"jit_compile", "lr", "averaging"}
+    return names | {"jit_compile", "lr", "averaging", *_LEGACY_ARGS}
 
 
 _BASE_ARGUMENTS = tuple(

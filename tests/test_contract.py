@@ -95,14 +95,6 @@ def test_unknown_argument_lists_the_accepted_ones():
     assert isinstance(info.value, ValueError)
 
 
-@pytest.mark.parametrize(
-    "legacy", ["decay", "gradient_aggregator", "gradient_transformers"]
-)
-def test_optimizer_v2_arguments_are_refused_with_a_hint(legacy):
-    with pytest.raises(UnknownArgumentError, match="Keras 2 OptimizerV2"):
-        keras_ema_opt.SGD(**{legacy: 0.1})
-
-
 def test_lr_is_the_deprecated_spelling_of_learning_rate():
     with pytest.warns(DeprecationWarning, match="`lr` is deprecated"):
         opt = keras_ema_opt.SGD(lr=0.25)
