@@ -27,3 +27,7 @@ class UnknownVariableError(KeyError, ValueError):
     def __str__(self):
         # KeyError quotes its argument; a sentence reads better unquoted.
         return str(self.args[0]) if self.args else ""
+
+
+class LegacyConfigError(ValueError):
+    """A Keras 2 optimizer config that cannot be turned into an optimizer."""

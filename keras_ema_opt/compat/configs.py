@@ -1,0 +1,174 @@
+"""Keras 2 optimizer configs -> working keras_ema_opt optimizers.
+
+Handles every Keras 2 form met in SavedModels, ``.h5`` training configs and
+``tf.keras.optimizers.serialize``: ``"Custom>Adam"``, modules
+``keras.optimizers`` / ``keras.optimizers.legacy`` /
+``keras.optimizers.experimental``, string identifiers (``"adam"``),
+OptimizerV2 configs (``decay``, ``lr``), NumPy scalars, schedules whose
+``name`` is null, and ``LossScaleOptimizer`` wrappers.
+"""
+
+import warnings
+
+import keras
+import numpy as np
+
+import keras_ema_opt
+from keras_ema_opt.compat import legacy_rules
+from keras_ema_opt.errors import LegacyConfigError
+
+# Keras 2 class names and string identifiers, lower-cased -> our class name.
+CLASS_NAMES = {
+    "sgd": "SGD",
+    "adam": "Adam",
+    "adamw": "AdamW",
+    "adagrad": "Adagrad",
+    "adadelta": "Adadelta",
+    "adamax": "Adamax",
+    "nadam": "Nadam",
+    "rmsprop": "RMSprop",
+    "ftrl": "Ftrl",
+    "lion": "Lion",
+    "adafactor": "Adafactor",
+}
+
+# OptimizerV2 rules that Keras 3 changed: name -> (class, applies(config)).
+LEGACY_RULES = {
+    "Nadam": (legacy_rules.LegacyNadam, lambda c: True),
+    "Adagrad": (legacy_rules.LegacyAdagrad, lambda c: True),
+    "RMSprop": (legacy_rules.LegacyRMSprop,
+                lambda c: not c.get("momentum")),
+}
+
+LOSS_SCALE_NAMES = ("LossScaleOptimizer", "LossScaleOptimizerV3",
+                    "LossScaleOptimizerV1")
+
+
+def from_legacy_config(config, custom_objects=None):
+    """A keras_ema_opt optimizer from a Keras 2 optimizer config.
+
+    Args:
+        config: A dict ``{"class_name": ..., "config": {...}}`` (any Keras 2
+            serialization), or a string identifier such as ``"adam"``.
+        custom_objects: Dict of user optimizer classes by name.
+
+    Returns:
+        A built-ready optimizer: ours for the Keras 2 classes, the legacy
+        rule classes of ``keras_ema_opt.compat`` for OptimizerV2 Nadam,
+        Adagrad and RMSprop without momentum, a
+        ``keras.optimizers.LossScaleOptimizer`` for wrapped ones.
+
+    Raises:
+        LegacyConfigError: naming the class when it is unknown, or the
+            config when it is malformed.
+
+    Example:
+
+    ```python
+    from keras_ema_opt.compat import from_legacy_config
+
+    optimizer = from_legacy_config({
+        "class_name": "SGD",
+        "config": {"name": "SGD", "learning_rate": 0.1, "decay": 0.01,
+                   "momentum": 0.9, "nesterov": False},
+    })
+    ```
+    """
+    if isinstance(config, str):
+        return _class_for(config, {}, False, custom_objects)()
+    if not isinstance(config, dict) or "class_name" not in config:
+        raise LegacyConfigError(
+            "A Keras 2 optimizer config is a dict with 'class_name' and "
+            f"'config', or a string identifier. Received: {config!r}"
+        )
+    class_name = str(config["class_name"])
+    module = str(config.get("module") or "")
+    inner = _plain(dict(config.get("config") or {}))
+    base = class_name.split(">")[-1].split(".")[-1]
+    if base in LOSS_SCALE_NAMES:
+        return _loss_scale(inner, custom_objects)
+    v2 = _is_optimizer_v2(class_name, module, inner)
+    inner.pop("is_legacy_optimizer", None)
+    if "lr" in inner:
+        inner.setdefault("learning_rate", inner.pop("lr"))
+        inner.pop("lr", None)
+    if isinstance(inner.get("learning_rate"), dict):
+        inner["learning_rate"] = _schedule(inner["learning_rate"])
+    cls = _class_for(class_name, inner, v2, custom_objects)
+    try:
+        return cls.from_config(inner)
+    except (TypeError, ValueError) as e:
+        raise LegacyConfigError(
+            f"Could not build {cls.__name__} from the Keras 2 config of "
+            f"{class_name!r}: {e}"
+        ) from e
+
+
+def _is_optimizer_v2(class_name, module, config):
+    if "legacy" in module or "legacy" in class_name.lower():
+        return True
+    if "is_legacy_optimizer" in config:
+        return bool(config["is_legacy_optimizer"])
+    # OptimizerV2 always wrote `decay`; the experimental optimizer never did.
+    return "decay" in config
+
+
+def _class_for(class_name, config, v2, custom_objects):
+    base = class_name.split(">")[-1].split(".")[-1]
+    if custom_objects and base in custom_objects:
+        return custom_objects[base]
+    name = CLASS_NAMES.get(base.lower())
+    if name is None:
+        raise LegacyConfigError(
+            f"Unknown Keras 2 optimizer class {class_name!r}. Known: "
+            f"{', '.join(sorted(CLASS_NAMES.values()))}, LossScaleOptimizer; "
+            "pass other classes through `custom_objects={name: class}`."
+        )
+    if v2 and name in LEGACY_RULES:
+        cls, applies = LEGACY_RULES[name]
+        if applies(config):
+            return cls
+    return getattr(keras_ema_opt, name)
+
+
+def _loss_scale(config, custom_objects):
+    inner = from_legacy_config(config["inner_optimizer"], custom_objects)
+    scale = float(config.get("initial_scale", 2.0**15))
+    if not config.get("dynamic", True):
+        # A fixed loss scale is Keras 3's `loss_scale_factor`.
+        inner.loss_scale_factor = scale
+        return inner
+    return keras.optimizers.LossScaleOptimizer(
+        inner, initial_scale=scale,
+        dynamic_growth_steps=int(config.get("dynamic_growth_steps", 2000)),
+    )
+
+
+def _schedule(config):
+    config = dict(config)
+    inner = dict(config.get("config") or {})
+    if inner.get("name", "") is None:
+        # Keras 3 takes name=None, then fails at the first step.
+        inner.pop("name")
+    config["config"] = inner
+    config.setdefault("module", "keras.optimizers.schedules")
+    config.setdefault("registered_name", None)
+    try:
+        return keras.optimizers.schedules.deserialize(config)
+    except (TypeError, ValueError) as e:
+        raise LegacyConfigError(
+            f"Could not rebuild the learning-rate schedule {config!r}: {e}"
+        ) from e
+
+
+def _plain(value):
+    """NumPy scalars and arrays -> Python numbers, recursively."""
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_plain(v) for v in value)
+    if isinstance(value, np.generic):
+        return value.item()
+    if isinstance(value, np.ndarray) and value.ndim == 0:
+        return value.item()
+    return value

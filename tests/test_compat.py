@@ -1,0 +1,191 @@
+"""Keras 2 configs and OptimizerV2 rules: real configs produced by tf_keras
+in the test run become optimizers that step like the tf_keras optimizer they
+came from."""
+
+import keras
+import numpy as np
+import pytest
+from conftest import to_numpy
+
+import keras_ema_opt
+from keras_ema_opt.compat import LegacyAdagrad
+from keras_ema_opt.compat import LegacyNadam
+from keras_ema_opt.compat import LegacyRMSprop
+from keras_ema_opt.compat import from_legacy_config
+from keras_ema_opt.errors import LegacyConfigError
+
+tf_keras = pytest.importorskip("tf_keras")
+tf = pytest.importorskip("tensorflow")
+from tf_keras.src.saving.legacy import serialization as legacy_serialization  # noqa: E402,E501
+
+NEW = {
+    "SGD": dict(learning_rate=0.05, momentum=0.9, nesterov=True),
+    "Adam": dict(learning_rate=0.01, amsgrad=True, use_ema=True,
+                 ema_momentum=0.9),
+    "AdamW": dict(learning_rate=0.01, weight_decay=0.05),
+    "Adagrad": dict(learning_rate=0.05),
+    "Adadelta": dict(learning_rate=1.0, rho=0.9),
+    "Adamax": dict(learning_rate=0.01),
+    "Nadam": dict(learning_rate=0.01),
+    "RMSprop": dict(learning_rate=0.01, centered=True, clipnorm=1.0),
+    "Ftrl": dict(learning_rate=0.05, l1_regularization_strength=0.01),
+    "Lion": dict(learning_rate=0.001),
+    "Adafactor": dict(learning_rate=0.05),
+}
+LEGACY = {
+    "SGD": dict(learning_rate=0.05, momentum=0.9, decay=0.01),
+    "Adam": dict(learning_rate=0.01, decay=0.001),
+    "Adagrad": dict(learning_rate=0.05, epsilon=0.1),
+    "Adadelta": dict(learning_rate=1.0),
+    "Adamax": dict(learning_rate=0.01),
+    "Nadam": dict(learning_rate=0.01),
+    "RMSprop": dict(learning_rate=0.01, epsilon=0.1),
+    "RMSprop_momentum": dict(learning_rate=0.01, momentum=0.5),
+    "Ftrl": dict(learning_rate=0.05, l2_regularization_strength=0.01),
+}
+EXPECTED_CLASS = {"Nadam": LegacyNadam, "Adagrad": LegacyAdagrad,
+                  "RMSprop": LegacyRMSprop}
+
+
+def _tf_keras_optimizers():
+    """(id, tf_keras optimizer, expected class of ours) for the table."""
+    out = []
+    for name, kwargs in NEW.items():
+        opt = getattr(tf_keras.optimizers, name)(**kwargs, jit_compile=False)
+        out.append((f"new-{name}", opt, getattr(keras_ema_opt, name)))
+    for key, kwargs in LEGACY.items():
+        name = key.split("_")[0]
+        opt = getattr(tf_keras.optimizers.legacy, name)(**kwargs)
+        expected = EXPECTED_CLASS.get(name, getattr(keras_ema_opt, name))
+        if key == "RMSprop_momentum":
+            expected = keras_ema_opt.RMSprop
+        out.append((f"legacy-{key}", opt, expected))
+    return out
+
+
+TABLE = _tf_keras_optimizers()
+FORMS = {
+    # tf.keras.optimizers.serialize: {"module", "class_name", ...}
+    "serialize": tf_keras.optimizers.serialize,
+    # The form SavedModels and .h5 training configs hold ("Custom>Adam",
+    # NumPy floats).
+    "legacy_h5": legacy_serialization.serialize_keras_object,
+}
+
+
+def _steps(ours, theirs, steps=10):
+    rng = np.random.default_rng(2)
+    init = [rng.normal(size=(3, 2)).astype("float32"),
+            rng.normal(size=(2,)).astype("float32")]
+    ours_v = [keras.Variable(w) for w in init]
+    theirs_v = [tf.Variable(w) for w in init]
+    for _ in range(steps):
+        grads = [rng.normal(size=w.shape).astype("float32") for w in init]
+        ours.apply_gradients(
+            zip([keras.ops.convert_to_tensor(g) for g in grads], ours_v))
+        theirs.apply_gradients(zip([tf.constant(g) for g in grads], theirs_v))
+    return [to_numpy(v) for v in ours_v], [v.numpy() for v in theirs_v]
+
+
+@pytest.mark.parametrize("form", sorted(FORMS))
+@pytest.mark.parametrize("case", TABLE, ids=[c[0] for c in TABLE])
+def test_every_tf_keras_config_becomes_a_working_optimizer(case, form):
+    _, theirs, expected = case
+    config = FORMS[form](theirs)
+    ours = from_legacy_config(config)
+    assert type(ours) is expected
+    fresh = type(theirs).from_config(theirs.get_config())
+    a, b = _steps(ours, fresh)
+    for x, y in zip(a, b):
+        np.testing.assert_allclose(x, y, rtol=1e-5, atol=2e-6)
+
+
+def test_schedule_with_null_name_and_numpy_floats():
+    schedule = tf_keras.optimizers.schedules.ExponentialDecay(
+        np.float32(0.1), 2, 0.5)
+    theirs = tf_keras.optimizers.Adam(learning_rate=schedule,
+                                      jit_compile=False)
+    config = legacy_serialization.serialize_keras_object(theirs)
+    assert config["config"]["learning_rate"]["config"]["name"] is None
+    ours = from_legacy_config(config)
+    a, b = _steps(ours, tf_keras.optimizers.Adam(
+        learning_rate=tf_keras.optimizers.schedules.ExponentialDecay(
+            0.1, 2, 0.5), jit_compile=False))
+    for x, y in zip(a, b):
+        np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("dynamic", [True, False])
+def test_loss_scale_optimizer_wrapper(dynamic):
+    inner = tf_keras.optimizers.Adam(learning_rate=0.01, jit_compile=False)
+    theirs = tf_keras.mixed_precision.LossScaleOptimizer(
+        inner, dynamic=dynamic, **({} if dynamic else {"initial_scale": 8.0}))
+    ours = from_legacy_config(tf_keras.optimizers.serialize(theirs))
+    if dynamic:
+        assert isinstance(ours, keras.optimizers.LossScaleOptimizer)
+        assert type(ours.inner_optimizer) is keras_ema_opt.Adam
+        assert ours.initial_scale == 32768.0
+    else:
+        assert type(ours) is keras_ema_opt.Adam
+        assert ours.loss_scale_factor == 8.0
+
+
+def test_string_identifiers_and_old_lr_key():
+    assert type(from_legacy_config("adam")) is keras_ema_opt.Adam
+    assert type(from_legacy_config("RMSprop")) is keras_ema_opt.RMSprop
+    opt = from_legacy_config({"class_name": "SGD", "config": {
+        "lr": 0.3, "decay": 0.0, "momentum": 0.0, "nesterov": False}})
+    assert float(to_numpy(opt.learning_rate)) == pytest.approx(0.3)
+
+
+def test_unknown_class_is_named():
+    with pytest.raises(LegacyConfigError, match="'Custom>MyOpt'"):
+        from_legacy_config({"class_name": "Custom>MyOpt", "config": {}})
+    with pytest.raises(LegacyConfigError, match="Received: 3"):
+        from_legacy_config(3)
+    custom = from_legacy_config(
+        {"class_name": "Custom>MyOpt", "config": {"learning_rate": 0.2}},
+        custom_objects={"MyOpt": keras_ema_opt.SGD})
+    assert type(custom) is keras_ema_opt.SGD
+
+
+@pytest.mark.parametrize("name,cls,kwargs", [
+    ("Adagrad", LegacyAdagrad, dict(learning_rate=0.1, epsilon=0.1,
+                                    decay=0.01)),
+    ("RMSprop", LegacyRMSprop, dict(learning_rate=0.01, epsilon=0.1)),
+    ("RMSprop", LegacyRMSprop, dict(learning_rate=0.01, epsilon=0.1,
+                                    centered=True)),
+    ("Nadam", LegacyNadam, dict(learning_rate=0.01, schedule_decay=0.004)),
+])
+def test_legacy_rules_equal_tf_keras_legacy_for_ten_steps(name, cls, kwargs):
+    a, b = _steps(cls(**kwargs),
+                  getattr(tf_keras.optimizers.legacy, name)(**kwargs))
+    for x, y in zip(a, b):
+        np.testing.assert_allclose(x, y, rtol=1e-6, atol=1e-7)
+    # ... and differ from Keras 3's rule (why they exist).
+    plain = {k: v for k, v in kwargs.items() if k != "schedule_decay"}
+    c, _ = _steps(getattr(keras_ema_opt, name)(**plain),
+                  getattr(tf_keras.optimizers.legacy, name)(**kwargs))
+    assert not all(np.allclose(x, y, rtol=1e-6) for x, y in zip(a, c))
+
+
+def test_legacy_rule_errors():
+    with pytest.raises(ValueError, match="momentum=0.5"):
+        LegacyRMSprop(momentum=0.5)
+    with pytest.raises(ValueError, match="does not support"):
+        LegacyNadam(learning_rate=keras.optimizers.schedules.ExponentialDecay(
+            0.1, 1, 0.9))
+    with pytest.raises(ValueError, match="must be non-negative"):
+        LegacyAdagrad(initial_accumulator_value=-1.0)
+
+
+def test_legacy_rules_round_trip_through_keras_files(tmp_path):
+    model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+    model.compile(optimizer=LegacyNadam(learning_rate=0.01), loss="mse")
+    model.fit(np.ones((4, 2)), np.ones((4, 1)), verbose=0)
+    model.save(tmp_path / "m.keras")
+    loaded = keras.saving.load_model(tmp_path / "m.keras")
+    assert type(loaded.optimizer) is LegacyNadam
+    np.testing.assert_array_equal(
+        to_numpy(loaded.optimizer._momentum_cache),
+        to_numpy(model.optimizer._momentum_cache))
