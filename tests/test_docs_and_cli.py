@@ -13,6 +13,7 @@ from conftest import to_numpy
 
 import keras_ema_opt
 from keras_ema_opt import cli
+from keras_ema_opt import compat
 
 ROOT = Path(__file__).resolve().parent.parent
 PUBLIC = [getattr(keras_ema_opt, n) for n in keras_ema_opt.__all__
@@ -21,6 +22,10 @@ PUBLIC = [getattr(keras_ema_opt, n) for n in keras_ema_opt.__all__
     keras_ema_opt.callbacks.AveragedCheckpoint,
     keras_ema_opt.callbacks.PowerEMASnapshots,
     keras_ema_opt.Optimizer.swap_average,
+    compat.from_legacy_config,
+    compat.LegacyAdagrad,
+    compat.LegacyNadam,
+    compat.LegacyRMSprop,
 ]
 
 

@@ -4,6 +4,9 @@
   optimizer.
 - ``LegacyNadam``, ``LegacyAdagrad``, ``LegacyRMSprop``: the OptimizerV2
   rules that Keras 3 changed.
+- ``RestoredOptimizer`` / ``register_savedmodel_revival()``: Keras 2
+  optimizers revived by ``tf.saved_model.load`` (TensorFlow needed), with
+  ``to_keras(model)``.
 
 Example:
 
@@ -20,10 +23,23 @@ from keras_ema_opt.compat.configs import from_legacy_config
 from keras_ema_opt.compat.legacy_rules import LegacyAdagrad
 from keras_ema_opt.compat.legacy_rules import LegacyNadam
 from keras_ema_opt.compat.legacy_rules import LegacyRMSprop
+from keras_ema_opt.compat.revival import register_savedmodel_revival
+from keras_ema_opt.compat.revival import maybe_register as _maybe_register
 
 __all__ = [
     "LegacyAdagrad",
     "LegacyNadam",
     "LegacyRMSprop",
     "from_legacy_config",
+    "register_savedmodel_revival",
 ]
+
+_maybe_register()
+
+
+def __getattr__(name):
+    # `keras_ema_opt.compat.RestoredOptimizer`: made (and registered with
+    # TensorFlow) on first use.
+    if name == "RestoredOptimizer":
+        return register_savedmodel_revival()
+    raise AttributeError(name)

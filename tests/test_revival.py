@@ -1,0 +1,171 @@
+"""tf.saved_model.load of Keras 2 SavedModels written by tf_keras in the test
+run gives keras_ema_opt.compat.RestoredOptimizer, with tf_keras present and
+blocked, and to_keras() resumes training like tf_keras does."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import keras
+import numpy as np
+import pytest
+from conftest import to_numpy
+
+tf_keras = pytest.importorskip("tf_keras")
+tf = pytest.importorskip("tensorflow")
+
+import keras_ema_opt  # noqa: E402
+from keras_ema_opt import compat  # noqa: E402
+
+SCRIPT = Path(__file__).parent / "scripts" / "revive_saved_models.py"
+
+CASES = {
+    "new_adam_ema": lambda: tf_keras.optimizers.Adam(
+        0.01, use_ema=True, ema_momentum=0.9, jit_compile=False),
+    "new_sgd": lambda: tf_keras.optimizers.SGD(0.05, momentum=0.9,
+                                               jit_compile=False),
+    "legacy_sgd": lambda: tf_keras.optimizers.legacy.SGD(0.05, momentum=0.9),
+    "legacy_adam": lambda: tf_keras.optimizers.legacy.Adam(0.01),
+}
+# New optimizers keep only lr in their variables; legacy Adam and Adamax
+# share slot names: these need the config (keras_metadata.pb).
+CONFIG_NEEDED = {"new_adam_ema", "new_sgd", "legacy_adam"}
+
+
+def _data():
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(64, 4)).astype("float32")
+    y = rng.normal(size=(64, 2)).astype("float32")
+    return x, y
+
+
+def _tf_keras_model(optimizer):
+    model = tf_keras.Sequential([
+        tf_keras.Input((4,)), tf_keras.layers.Dense(3, name="d1"),
+        tf_keras.layers.Dense(2, name="d2")], name="seq")
+    model.compile(optimizer=optimizer, loss="mse")
+    return model
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """Each case: the SavedModel, its tf_keras model, and its state."""
+    folder = tmp_path_factory.mktemp("savedmodels")
+    x, y = _data()
+    out = {}
+    for key, make in CASES.items():
+        tf_keras.utils.set_random_seed(0)
+        model = _tf_keras_model(make())
+        model.fit(x[:24], y[:24], batch_size=8, epochs=1, verbose=0)
+        path = str(folder / key)
+        model.save(path, save_format="tf")
+        config = tf_keras.optimizers.serialize(model.optimizer)
+        out[key] = (path, model, config)
+    return out
+
+
+def _truth(model):
+    """{(slot, 'd1/kernel'): value} from the live tf_keras optimizer."""
+    opt = model.optimizer
+    truth = {}
+    if hasattr(opt, "get_slot_names"):
+        for var in model.trainable_variables:
+            for slot in opt.get_slot_names():
+                truth[(slot, var.name[:-2])] = opt.get_slot(var, slot).numpy()
+    else:
+        for var in opt.variables():
+            parts = var.name[:-2].split("/")
+            if len(parts) > 2 and parts[1] != "average":
+                truth[(parts[1], "/".join(parts[2:]))] = var.numpy()
+    return truth
+
+
+def test_in_process_revival_gives_our_restored_optimizer(saved):
+    for key, (path, model, _) in saved.items():
+        restored = tf.saved_model.load(path).optimizer
+        assert type(restored) is compat.RestoredOptimizer, key
+        assert restored.iterations == 3
+        assert restored.legacy is key.startswith("legacy")
+        assert restored.learning_rate == pytest.approx(
+            float(model.optimizer.learning_rate.numpy()))
+        truth = _truth(model)
+        assert set(restored.slots) == set(truth), key
+        for k, v in truth.items():
+            np.testing.assert_array_equal(restored.slots[k], v)
+        if key == "new_adam_ema":
+            averages = {v.name[:-2].split("/", 2)[2]: v.numpy() for v in
+                        model.optimizer._model_variables_moving_average}
+            assert set(restored.averages) == set(averages)
+            for k, v in averages.items():
+                np.testing.assert_array_equal(restored.averages[k], v)
+
+
+def test_revival_without_tf_keras(saved):
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3")
+    paths = [saved[k][0] for k in CASES]
+    proc = subprocess.run([sys.executable, str(SCRIPT), "block", *paths],
+                          capture_output=True, text=True, timeout=240,
+                          env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["tf_keras_loaded"] is False
+    for key in CASES:
+        path, model, _ = saved[key]
+        entry = result[path]
+        assert entry["type"] == "RestoredOptimizer"
+        assert entry["iterations"] == 3
+        truth = _truth(model)
+        assert len(entry["slots"]) == len(truth)
+        for (slot, name), value in truth.items():
+            np.testing.assert_array_equal(entry["slots"][f"{slot}|{name}"],
+                                          value)
+
+
+def test_get_config_points_to_to_keras(saved):
+    restored = tf.saved_model.load(saved["legacy_sgd"][0]).optimizer
+    with pytest.raises(NotImplementedError, match="to_keras"):
+        restored.get_config()
+
+
+@pytest.mark.parametrize("key", sorted(CASES))
+def test_to_keras_resumes_like_tf_keras(saved, key):
+    path, model, config = saved[key]
+    restored = tf.saved_model.load(path).optimizer
+    ours = keras.Sequential([keras.Input((4,)),
+                             keras.layers.Dense(3, name="d1"),
+                             keras.layers.Dense(2, name="d2")], name="seq")
+    ours.set_weights(model.get_weights())
+    optimizer = restored.to_keras(
+        ours, config=config if key in CONFIG_NEEDED else None)
+    assert int(to_numpy(optimizer.iterations)) == 3
+    ours.compile(optimizer=optimizer, loss="mse")
+    x, y = _data()
+    for i in range(3, 8):
+        batch = (x[i * 8:(i + 1) * 8], y[i * 8:(i + 1) * 8])
+        ours.train_on_batch(*batch)
+        model.train_on_batch(*batch)
+    for a, b in zip(ours.get_weights(), model.get_weights()):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    if key == "new_adam_ema":
+        for var, theirs in zip(ours.trainable_variables,
+                               model.optimizer._model_variables_moving_average):
+            np.testing.assert_allclose(to_numpy(optimizer.average_of(var)),
+                                       theirs.numpy(), rtol=1e-5, atol=1e-6)
+    assert isinstance(optimizer, keras_ema_opt.Optimizer)
+
+
+def test_to_keras_refuses_to_guess(saved):
+    from keras_ema_opt.errors import LegacyConfigError
+
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3),
+                              keras.layers.Dense(2)])
+    restored = tf.saved_model.load(saved["new_sgd"][0]).optimizer
+    with pytest.raises(LegacyConfigError, match="keras_metadata.pb"):
+        restored.to_keras(model)
+    # A config that does not match the state: named, not silently dropped.
+    restored = tf.saved_model.load(saved["legacy_sgd"][0]).optimizer
+    with pytest.raises(LegacyConfigError, match="no place for the Keras 2"):
+        restored.to_keras(model, config={"class_name": "SGD", "config": {
+            "learning_rate": 0.1, "momentum": 0.0, "decay": 0.0}})
