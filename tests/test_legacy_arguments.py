@@ -134,3 +134,11 @@ def test_bad_transformer_and_aggregator_are_refused():
         keras_ema_opt.SGD(gradient_transformers=[1])
     with pytest.raises(InvalidArgumentError, match="must be a callable"):
         keras_ema_opt.SGD(gradient_aggregator="sum")
+
+
+def test_lr_means_learning_rate_as_in_optimizer_v2():
+    with pytest.warns(DeprecationWarning, match="`lr` is deprecated"):
+        ours = keras_ema_opt.SGD(lr=0.3, momentum=0.5)
+    a, b = _side_by_side(ours, tf_keras.optimizers.legacy.SGD(lr=0.3,
+                                                              momentum=0.5))
+    np.testing.assert_allclose(a, b, rtol=1e-6)

@@ -169,3 +169,33 @@ def test_to_keras_refuses_to_guess(saved):
     with pytest.raises(LegacyConfigError, match="no place for the Keras 2"):
         restored.to_keras(model, config={"class_name": "SGD", "config": {
             "learning_rate": 0.1, "momentum": 0.0, "decay": 0.0}})
+
+
+@pytest.mark.parametrize("source,target", [
+    ("legacy_sgd", "tf_keras_optimizer"),
+    ("new_adam_ema", "tf_keras_experimentalOptimizer"),
+])
+def test_renamed_identifiers_revive_too(saved, tmp_path, source, target):
+    """TF 2.12 with two Keras 2 copies wrote tf_keras_* identifiers."""
+    import shutil
+
+    from tensorflow.core.protobuf import saved_model_pb2
+
+    path = tmp_path / target
+    shutil.copytree(saved[source][0], path)
+    proto = saved_model_pb2.SavedModel()
+    proto.ParseFromString((path / "saved_model.pb").read_bytes())
+    nodes = proto.meta_graphs[0].object_graph_def.nodes
+    renamed = 0
+    for node in nodes:
+        if node.WhichOneof("kind") == "user_object" and \
+                node.user_object.identifier in ("optimizer",
+                                                "experimentalOptimizer"):
+            node.user_object.identifier = target
+            renamed += 1
+    assert renamed == 1
+    (path / "saved_model.pb").write_bytes(proto.SerializeToString())
+    restored = tf.saved_model.load(str(path)).optimizer
+    assert type(restored) is compat.RestoredOptimizer
+    assert restored.iterations == 3
+    assert restored.slots
