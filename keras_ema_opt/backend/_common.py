@@ -40,8 +40,3 @@ def check_no_tape(tape, backend_name):
             "Pass the loss as a callable that takes no arguments and "
             "returns the value to minimize, and leave `tape=None`."
         )
-
-
-def split_pairs(grads_and_vars):
-    pairs = list(grads_and_vars)
-    return [g for g, _ in pairs], [v for _, v in pairs]
