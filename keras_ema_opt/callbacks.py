@@ -216,8 +216,6 @@ class PowerEMASnapshots(keras.callbacks.Callback):
     def __init__(self):
         super().__init__()
         self.written = []
-        self._step = 0
-        self._micro = 0
 
     def on_train_begin(self, logs=None):
         optimizer = _averaging_optimizer(self.model, "PowerEMASnapshots")
@@ -227,16 +225,27 @@ class PowerEMASnapshots(keras.callbacks.Callback):
                 f"snapshot_dir=...)`. Received: {optimizer.averaging!r}"
             )
         self._optimizer = optimizer
-        self._step = int(keras.ops.convert_to_numpy(optimizer.iterations))
-        self._micro = 0
+        inner = getattr(optimizer, "inner_optimizer", optimizer)
+        self._accumulation = inner.gradient_accumulation_steps or 1
+        # Micro-steps (batches) taken before this fit() and at epoch start.
+        self._start = int(keras.ops.convert_to_numpy(inner._iterations))
+        self._micro = self._epoch_start = self._start
+        self._done = self._real_steps(self._start) // (
+            optimizer.averaging.snapshot_every)
+
+    def _real_steps(self, micro_steps):
+        return micro_steps // self._accumulation
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self._epoch_start = self._micro
 
     def on_train_batch_end(self, batch, logs=None):
-        self._micro += 1
-        steps = self._optimizer.gradient_accumulation_steps or 1
-        if self._micro % steps:
-            return
-        self._step += 1
-        if self._step % self._optimizer.averaging.snapshot_every:
-            return
-        backend.sync_training_state(self.model)
-        self.written.append(self._optimizer.save_snapshot())
+        # `batch` is the last step of the call (several under
+        # steps_per_execution), counted from the start of the epoch.
+        self._micro = self._epoch_start + batch + 1
+        every = self._optimizer.averaging.snapshot_every
+        due = self._real_steps(self._micro) // every
+        if due > self._done:
+            self._done = due
+            backend.sync_training_state(self.model)
+            self.written.append(self._optimizer.save_snapshot())

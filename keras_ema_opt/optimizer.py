@@ -321,6 +321,10 @@ class Optimizer(backend.OptimizerHooks, keras.optimizers.Optimizer):
                     f"{averaging!r}."
                 )
         _validate_clipping(value("clipnorm"), value("global_clipnorm"))
+        if arguments.get("ema_overwrite_frequency") is not None:
+            arguments["ema_overwrite_frequency"] = int(
+                arguments["ema_overwrite_frequency"]
+            )
         clipping = {k: arguments.pop(k, None) for k in _CLIP_ARGS}
         if _is_real_number(arguments.get("learning_rate")):
             arguments["learning_rate"] = float(arguments["learning_rate"])
@@ -566,8 +570,10 @@ class Optimizer(backend.OptimizerHooks, keras.optimizers.Optimizer):
                 tensor ``loss``.
 
         Returns:
-            A list of ``(gradient, variable)`` pairs; a gradient may be
-            ``None`` where the loss does not depend on the variable.
+            A list of ``(gradient, variable)`` pairs; where the loss does
+            not depend on a variable its gradient is ``None`` (TensorFlow,
+            PyTorch) or zeros (JAX differentiates through values and cannot
+            tell).
         """
         if not callable(loss) and tape is None:
             raise ValueError(
@@ -766,7 +772,9 @@ class Optimizer(backend.OptimizerHooks, keras.optimizers.Optimizer):
                 f"No average is kept for {getattr(variable, 'path', variable)}"
                 ": the optimizer was not built with it."
             )
-        return averager.value(i, slot)
+        value = averager.value(i, slot)
+        # A copy: on JAX the next compiled step donates the stored buffer.
+        return None if value is None else keras.ops.copy(value)
 
     def swap_average(self, model=None, slot=0):
         """A context manager that puts the averages in and the raw values back.

@@ -242,3 +242,6 @@ class AveragedLossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
 
     def assign_averages(self, var_list=None, slot=0):
         return self.inner_optimizer.assign_averages(var_list, slot)
+
+    def save_snapshot(self, directory=None):
+        return self.inner_optimizer.save_snapshot(directory)

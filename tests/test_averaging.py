@@ -302,6 +302,37 @@ def test_float32_averages_of_low_precision_weights(dtype):
     # Each increment (~1e-3 * 0.05 t) is below the low-precision spacing
     # near 1: an average kept in the weights' own dtype would stay at 1.
     assert np.all(to_numpy(average) < 0.995)
+    # Swap and finalize write float32 averages into low-precision weights.
+    raw = to_numpy(w).copy()
+    with opt.swap_average([w]):
+        np.testing.assert_allclose(to_numpy(w).astype(np.float64),
+                                   to_numpy(average), atol=1e-2)
+    assert _bits_equal(to_numpy(w), raw)
+    opt.finalize_variable_values([w])
+    assert keras.backend.standardize_dtype(w.dtype) == dtype
+
+
+def test_average_of_returns_an_array_of_its_own():
+    w = keras.Variable(np.ones(3, "float32"))
+    opt = keras_ema_opt.SGD(0.1, use_ema=True, ema_momentum=0.5)
+    opt.apply_gradients([(keras.ops.ones((3,)), w)])
+    before = opt.average_of(w)
+    opt.apply_gradients([(keras.ops.ones((3,)), w)])  # donates on JAX
+    np.testing.assert_allclose(to_numpy(before), [0.95] * 3, rtol=1e-6)
+
+
+def test_debias_reads_the_weights_before_the_first_update():
+    w = keras.Variable(np.array([2.0, -1.0], "float32"))
+    opt = keras_ema_opt.SGD(0.1, averaging=keras_ema_opt.EMA(
+        0.9, debias=True, every=3))
+    opt.apply_gradients([(keras.ops.ones((2,)), w)])
+    np.testing.assert_allclose(to_numpy(opt.average_of(w)), to_numpy(w))
+    assert not np.any(np.isnan(to_numpy(opt.average_of(w))))
+
+
+def test_numpy_integer_overwrite_frequency():
+    opt = keras_ema_opt.SGD(use_ema=True, ema_overwrite_frequency=np.int64(3))
+    assert opt.ema_overwrite_frequency == 3
 
 
 def test_strategy_errors_name_the_value():

@@ -150,6 +150,32 @@ def test_snapshots_in_fit_and_assign_by_path(tmp_path):
         keras_ema_opt.averaging.assign_by_path(model, {"nope": np.zeros(1)})
 
 
+@pytest.mark.parametrize("steps_per_execution", [1, 3])
+def test_snapshot_steps_with_steps_per_execution_and_loss_scaling(
+        tmp_path, steps_per_execution):
+    if steps_per_execution > 1 and keras.backend.backend() == "torch":
+        pytest.skip("Keras runs steps_per_execution=1 only on PyTorch")
+    x = np.random.default_rng(0).normal(size=(48, 3)).astype("float32")
+    y = x.sum(axis=1, keepdims=True)
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
+    averaging = keras_ema_opt.PowerEMA(snapshot_every=4,
+                                       snapshot_dir=tmp_path)
+    optimizer = keras_ema_opt.averaged(
+        keras.optimizers.LossScaleOptimizer(keras.optimizers.Adam(0.01)),
+        averaging)
+    model.compile(optimizer=optimizer, loss="mse",
+                  steps_per_execution=steps_per_execution)
+    callback = PowerEMASnapshots()
+    model.fit(x, y, batch_size=4, epochs=2, verbose=0, callbacks=[callback])
+    # 24 steps; a snapshot at each multiple of 4 that a callback call
+    # passes (every 3 steps under steps_per_execution=3: 12 and 24 only
+    # land exactly, the rest at the call that passes them).
+    steps = [int(p.name[6:15]) for p in sorted(tmp_path.iterdir())]
+    assert len(steps) == 6
+    assert steps == sorted(set(steps))
+    assert all(s % 4 < steps_per_execution for s in steps)
+
+
 def test_power_ema_errors():
     with pytest.raises(ValueError, match="sigma_rels=\\(0.5,\\)"):
         keras_ema_opt.PowerEMA(sigma_rels=(0.5,))

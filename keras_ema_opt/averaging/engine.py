@@ -185,8 +185,12 @@ class Averager:
             return None
         value = slots[slot].value
         if self.debias is not None:
-            correction = ops.cast(self.debias.value, value.dtype)
-            value = ops.divide(value, correction)
+            # Before the first averaging update there is nothing to correct
+            # (c = 0): the average is the weights themselves.
+            c = ops.cast(self.debias.value, value.dtype)
+            safe = ops.where(ops.greater(c, 0), c, ops.ones_like(c))
+            value = ops.where(ops.greater(c, 0), ops.divide(value, safe),
+                              ops.cast(self.variables[i].value, value.dtype))
         return value
 
     def save_snapshot(self, optimizer, directory=None):

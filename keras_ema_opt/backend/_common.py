@@ -29,7 +29,7 @@ def assign_copy(optimizer, variable, value):
     del optimizer
     if isinstance(value, keras.Variable):
         value = value.value
-    variable.assign(keras.ops.copy(value))
+    variable.assign(keras.ops.cast(keras.ops.copy(value), variable.dtype))
 
 
 def check_no_tape(tape, backend_name):

@@ -108,7 +108,7 @@ def assign_copy(optimizer, variable, value):
     strategy = optimizer._distribution_strategy
     strategy.extended.update(
         _tf_variable(variable),
-        lambda target, source: target.assign(source),
+        lambda target, source: target.assign(tf.cast(source, target.dtype)),
         args=(_tf_variable(value),),
     )
 
