@@ -199,3 +199,17 @@ def test_renamed_identifiers_revive_too(saved, tmp_path, source, target):
     assert type(restored) is compat.RestoredOptimizer
     assert restored.iterations == 3
     assert restored.slots
+
+
+def test_revival_registers_when_compat_is_imported_before_tensorflow(saved):
+    code = (
+        "import keras_ema_opt.compat\n"
+        "import tensorflow as tf\n"
+        f"o = tf.saved_model.load({saved['new_adam_ema'][0]!r}).optimizer\n"
+        "print(type(o).__module__, o.iterations)\n"
+    )
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", KERAS_BACKEND="jax")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True,
+                          text=True, timeout=240, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.split()[-2:] == ["keras_ema_opt.compat.revival", "3"]

@@ -10,11 +10,14 @@ alone fails on OptimizerV2 SavedModels there: "'_UserObject' object has no
 attribute 'add_slot'"). ``to_keras(model)`` turns it into a built Keras 3
 optimizer holding that state.
 
-Needs TensorFlow (this is TensorFlow's own loader); ``keras_ema_opt.compat``
-registers automatically when TensorFlow is already imported.
+Needs TensorFlow (this is TensorFlow's own loader). Importing
+``keras_ema_opt.compat`` registers it, at once if TensorFlow is imported,
+else right after ``import tensorflow``.
 """
 
 import importlib
+import importlib.abc
+import importlib.util
 import re
 import sys
 
@@ -385,7 +388,32 @@ def register_savedmodel_revival():
     return cls
 
 
+class _RegisterAfterTensorFlow(importlib.abc.MetaPathFinder):
+    """Registers the revival right after ``import tensorflow`` completes,
+    when ``keras_ema_opt.compat`` was imported first."""
+
+    def find_spec(self, name, path=None, target=None):
+        if name != "tensorflow":
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.util.find_spec(name)
+        if spec is None or spec.loader is None:
+            return spec
+        execute = spec.loader.exec_module
+
+        def exec_module(module):
+            execute(module)
+            register_savedmodel_revival()
+
+        spec.loader.exec_module = exec_module
+        return spec
+
+
 def maybe_register():
-    """Register at import time when TensorFlow is already imported."""
+    """Register now if TensorFlow is imported, else right after it is."""
     if "tensorflow" in sys.modules:
         register_savedmodel_revival()
+    elif importlib.util.find_spec("tensorflow") is not None and not any(
+        isinstance(f, _RegisterAfterTensorFlow) for f in sys.meta_path
+    ):
+        sys.meta_path.insert(0, _RegisterAfterTensorFlow())
