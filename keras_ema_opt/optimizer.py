@@ -312,14 +312,6 @@ class Optimizer(backend.OptimizerHooks, keras.optimizers.Optimizer):
         )
         if averaging is not None:
             arguments["use_ema"] = True
-            if averaging.debias and value("ema_overwrite_frequency"):
-                raise InvalidArgumentError(
-                    "`ema_overwrite_frequency` cannot be combined with "
-                    "`debias=True`: the stored average is biased. Received: "
-                    f"ema_overwrite_frequency="
-                    f"{value('ema_overwrite_frequency')!r}, averaging="
-                    f"{averaging!r}."
-                )
         _validate_clipping(value("clipnorm"), value("global_clipnorm"))
         if arguments.get("ema_overwrite_frequency") is not None:
             arguments["ema_overwrite_frequency"] = int(

@@ -346,9 +346,16 @@ def test_strategy_errors_name_the_value():
         keras_ema_opt.SWA(start_step=-1)
     with pytest.raises(InvalidArgumentError, match="Received: averaging=0.9"):
         keras_ema_opt.Adam(averaging=0.9)
-    with pytest.raises(InvalidArgumentError, match="cannot be combined"):
-        keras_ema_opt.Adam(averaging=keras_ema_opt.EMA(debias=True),
-                           ema_overwrite_frequency=2)
+
+
+def test_overwrite_frequency_writes_debiased_averages():
+    w = keras.Variable(np.array([4.0], "float32"))
+    opt = keras_ema_opt.SGD(1.0, averaging=keras_ema_opt.EMA(0.5, debias=True),
+                            ema_overwrite_frequency=2)
+    opt.apply_gradients([(keras.ops.ones((1,)), w)])  # w 3; a 1.5, c 0.5
+    opt.apply_gradients([(keras.ops.ones((1,)), w)])  # w 2; a 1.75, c 0.75
+    # (0.5 * 1.5 + 0.5 * 2) / 0.75, written into w at step 2
+    np.testing.assert_allclose(to_numpy(w), [1.75 / 0.75], rtol=1e-6)
 
 
 STRATEGIES = {
