@@ -56,6 +56,11 @@ def build_model():
     ])
 
 
+def _accuracy(model, x, y):
+    logits = model.predict(x, verbose=0, batch_size=512)
+    return float(np.mean(np.argmax(logits, axis=1) == y))
+
+
 class _Curves(keras.callbacks.Callback):
     """Validation accuracy of the raw and the averaged weights per epoch."""
 
@@ -65,14 +70,10 @@ class _Curves(keras.callbacks.Callback):
         self.raw, self.averaged = [], []
         self.progbar, self.label = progbar, label
 
-    def _accuracy(self):
-        logits = self.model.predict(self.x, verbose=0, batch_size=512)
-        return float(np.mean(np.argmax(logits, axis=1) == self.y))
-
     def on_epoch_end(self, epoch, logs=None):
-        self.raw.append(self._accuracy())
+        self.raw.append(_accuracy(self.model, self.x, self.y))
         with self.model.optimizer.swap_average(self.model):
-            self.averaged.append(self._accuracy())
+            self.averaged.append(_accuracy(self.model, self.x, self.y))
         self.progbar.add(1, [(f"{self.label} raw", self.raw[-1]),
                              (f"{self.label} avg", self.averaged[-1])])
 
@@ -127,16 +128,12 @@ def run_demo(output_dir, epochs=12, seed=0, plot=True):
                             callbacks=[PowerEMASnapshots()])
     vx, vy = data[1]
 
-    def accuracy(model):
-        logits = model.predict(vx, verbose=0, batch_size=512)
-        return float(np.mean(np.argmax(logits, axis=1) == vy))
-
     raw_weights = [keras.ops.convert_to_numpy(v) for v in
                    power_model.trainable_variables]
     posthoc = {}
     for sigma in (0.05, 0.08, 0.10, 0.15):
         assign_by_path(power_model, power.synthesize(sigma))
-        posthoc[sigma] = accuracy(power_model)
+        posthoc[sigma] = _accuracy(power_model, vx, vy)
     for v, w in zip(power_model.trainable_variables, raw_weights):
         v.assign(w)
     best_sigma = max(posthoc, key=posthoc.get)

@@ -172,11 +172,14 @@ class Averager:
     # -- reading -------------------------------------------------------------
 
     def index(self, optimizer, variable):
-        key = optimizer._var_key(variable)
-        for i, var in enumerate(self.variables):
-            if optimizer._var_key(var) == key:
-                return i
-        return None
+        """Position of ``variable`` in the build list, or None.
+
+        The averager is built on the optimizer's own variable list, so
+        Keras' key -> index map answers without a scan.
+        """
+        return optimizer._trainable_variables_indices.get(
+            optimizer._var_key(variable)
+        )
 
     def value(self, i, slot=0):
         """The average of variable ``i`` (debiased where asked)."""
