@@ -31,3 +31,25 @@ class UnknownVariableError(KeyError, ValueError):
 
 class LegacyConfigError(ValueError):
     """A Keras 2 optimizer config that cannot be turned into an optimizer."""
+
+
+class LegacyFormatError(ValueError):
+    """A Keras 2 artifact that cannot be read: truncated, corrupt, or not
+    the format it claims to be. The message names the file and, where there
+    is one, the key or record that failed.
+
+    Attributes:
+        path: The file (or directory) being read.
+        key: The tensor key, object path or record that failed, or ``None``.
+    """
+
+    def __init__(self, message, path=None, key=None):
+        super().__init__(message)
+        self.path = None if path is None else str(path)
+        self.key = key
+
+
+class LegacyStateError(ValueError):
+    """Keras 2 training state that does not fit the Keras 3 model or
+    optimizer it is migrated into: a missing variable, a shape mismatch, a
+    slot with no place. The message names the variable or slot."""

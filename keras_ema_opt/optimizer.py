@@ -14,7 +14,9 @@ its error messages. Update rules stay Keras 3's own.
 
 import inspect
 import numbers
+import sys
 import warnings
+import weakref
 
 import keras
 import numpy as np
@@ -679,8 +681,14 @@ class Optimizer(backend.OptimizerHooks, keras.optimizers.Optimizer):
             return
         averager = None
         if self.averaging is not None:
+            extras, model = (), None
+            if self.averaging.include_non_trainable:
+                model = self._averaged_model()
+                extras = model.non_trainable_variables
             averager = engine.Averager(self.averaging)
-            averager.build(self, variables)
+            averager.build(self, variables, extras)
+            if model is not None:
+                backend.attach_model(self, model)
         use_ema, self.use_ema = self.use_ema, False
         try:
             super().build(variables)
@@ -692,6 +700,74 @@ class Optimizer(backend.OptimizerHooks, keras.optimizers.Optimizer):
             with tracking.DotNotTrackScope():
                 self._averager = averager
                 self._model_variables_moving_average = averager.primary()
+
+    def track_non_trainable(self, model):
+        """Name the model whose non-trainable variables are averaged.
+
+        With ``include_non_trainable=True`` the averages of the model's
+        non-trainable float variables (BatchNorm statistics) are created
+        with the optimizer's other state. ``compile``/``fit`` and
+        ``keras.saving.load_model`` find the model themselves (the one whose
+        ``optimizer`` is being built); a custom training loop calls this
+        before the optimizer is built.
+
+        Example:
+
+        ```python
+        import keras
+        import keras_ema_opt
+
+        model = keras.Sequential([
+            keras.Input((3,)), keras.layers.Dense(4),
+            keras.layers.BatchNormalization(),
+        ])
+        optimizer = keras_ema_opt.SGD(
+            averaging=keras_ema_opt.EMA(0.9, include_non_trainable=True))
+        optimizer.track_non_trainable(model)
+        optimizer.build(model.trainable_variables)
+        moving_mean = model.layers[1].moving_mean
+        assert optimizer.average_of(moving_mean) is not None
+        ```
+        """
+        if not isinstance(model, keras.Model):
+            raise InvalidArgumentError(
+                "track_non_trainable() takes a keras.Model. Received: "
+                f"model={model!r} of type {type(model).__name__}"
+            )
+        if self.built:
+            raise InvalidArgumentError(
+                "track_non_trainable() must come before the optimizer is "
+                "built: the averages are part of its state. Received a "
+                f"built optimizer {self.name!r}."
+            )
+        with tracking.DotNotTrackScope():
+            self._tracked_model = weakref.ref(model)
+
+    def _averaged_model(self):
+        """The model of ``include_non_trainable``: named by
+        ``track_non_trainable``, or the model building this optimizer
+        (``compile_from_config``, ``fit``): found on the call stack by
+        identity of its optimizer, never guessed."""
+        ref = self.__dict__.get("_tracked_model")
+        if ref is not None and ref() is not None:
+            return ref()
+        frame = sys._getframe(1)
+        while frame is not None:
+            candidate = frame.f_locals.get("self")
+            if isinstance(candidate, keras.Model):
+                held = getattr(candidate, "optimizer", None)
+                if held is self or getattr(
+                    held, "inner_optimizer", None
+                ) is self:
+                    return candidate
+            frame = frame.f_back
+        raise InvalidArgumentError(
+            "`include_non_trainable=True` needs the model whose non-trainable "
+            "variables are averaged: compile the model with this optimizer "
+            "and let `fit()` build it, or call "
+            "`optimizer.track_non_trainable(model)` before the first step. "
+            f"Received: the optimizer {self.name!r} built on its own."
+        )
 
     def _update_model_variables_moving_average(self, trainable_variables):
         """Called by Keras after each step: one update of the averages.
@@ -735,7 +811,12 @@ class Optimizer(backend.OptimizerHooks, keras.optimizers.Optimizer):
         keep = self.averaging.finalize
         averager.settle_swaps(keep_averages=keep)
         if keep:
-            self.assign_averages(var_list)
+            # `fit()` passes the trainable variables: averaged statistics
+            # (`include_non_trainable`) go in with their weights.
+            extras = [v for _, v in averager.extras()]
+            self.assign_averages(
+                None if var_list is None else list(var_list) + extras
+            )
 
     def assign_averages(self, var_list=None, slot=0):
         """Overwrite variables with their averages (no swap back).

@@ -12,6 +12,7 @@ JAX's stateless steps carry them):
 """
 
 import contextlib
+import warnings
 
 import keras
 import numpy as np
@@ -31,13 +32,19 @@ class Averager:
         self.strategy = strategy
         self.variables = []  # averaged model variables, in build order
         self.slots = []  # per variable: list of average variables or None
+        # Non-trainable variables averaged too (`include_non_trainable`):
+        # the tail of `variables` from `first_extra` on, found by key.
+        self.first_extra = None
+        self.extra_index = {}
         self.count = None
         self.debias = None
         self.swaps = []  # open swaps (Python state only while open)
 
     # -- state -------------------------------------------------------------
 
-    def build(self, optimizer, variables):
+    def build(self, optimizer, variables, extras=()):
+        """Averages for ``variables`` (the trainable ones) and ``extras``
+        (non-trainable float variables: BatchNorm statistics)."""
         strategy = self.strategy
         for var in variables:
             self.variables.append(var)
@@ -46,6 +53,16 @@ class Averager:
             ):
                 self.slots.append(None)
                 continue
+            self.slots.append(
+                [self._slot(optimizer, var, i) for i in range(
+                    strategy.num_slots)]
+            )
+        self.first_extra = len(self.variables)
+        for var in extras:
+            if not _is_float(var):
+                continue  # integer state (counters, seeds) is never averaged
+            self.extra_index[optimizer._var_key(var)] = len(self.variables)
+            self.variables.append(var)
             self.slots.append(
                 [self._slot(optimizer, var, i) for i in range(
                     strategy.num_slots)]
@@ -71,7 +88,7 @@ class Averager:
             source = var
 
             def initializer(shape, dtype=None):
-                return ops.cast(ops.copy(source.value), dtype)
+                return ops.cast(backend.current_value(source), dtype)
 
         path = (getattr(var, "path", None) or str(var.name)).replace(
             "/", "_").replace(":", "_")
@@ -103,24 +120,46 @@ class Averager:
             real, t = None, raw + 1
         return ops.cast(t, "int32"), real
 
-    def overwrite(self, optimizer, frequency):
+    def overwrite(self, optimizer, frequency, extras_only=False,
+                  applied=None):
         """Keras 2's ``ema_overwrite_frequency``: every ``frequency`` steps
-        the weights become their averages."""
+        the weights (and averaged statistics) become their averages."""
         t, real = self._step(optimizer)
+        if applied is not None:
+            real = applied if real is None else ops.logical_and(real, applied)
         due = ops.equal(ops.mod(t, frequency), 0)
         if real is not None:
             due = ops.logical_and(due, real)
         for i, (var, slots) in enumerate(zip(self.variables, self.slots)):
             if slots is None:
                 continue
+            if i >= self.first_extra:
+                if not backend.value_visible(var):
+                    continue
+            elif extras_only:
+                continue
             average = ops.cast(self.value(i), var.dtype)
             var.assign(ops.where(due, average, var.value))
 
-    def update(self, optimizer):
+    def extras(self):
+        """The non-trainable variables averaged, with their positions."""
+        return [(i, self.variables[i])
+                for i in range(self.first_extra or 0, len(self.variables))]
+
+    def update(self, optimizer, extras_only=False, applied=None):
         """One update after the optimizer's step (traceable, no Python ifs on
-        tensors). Under gradient accumulation only real steps count."""
+        tensors). Under gradient accumulation only real steps count.
+
+        Non-trainable variables whose new value the step cannot see (JAX
+        ``fit()``, where the optimizer runs before the model's new
+        statistics are returned) are skipped here and updated by
+        ``extras_only=True`` afterwards, from the same counters (``applied``:
+        whether the optimizer step was taken at all).
+        """
         strategy = self.strategy
         t, real = self._step(optimizer)
+        if applied is not None:
+            real = applied if real is None else ops.logical_and(real, applied)
         plain = real is None and strategy.start_step == 0 and (
             strategy.every == 1
         )
@@ -137,15 +176,39 @@ class Averager:
                 copy = ops.logical_and(copy, real)
         n = ops.cast(self.count.value, "int32") + 1
         decays = strategy.decays(n, t)
-        for var, slots in zip(self.variables, self.slots):
+        for i, (var, slots) in enumerate(zip(self.variables, self.slots)):
             if slots is None:
+                continue
+            if i >= self.first_extra:
+                if not backend.value_visible(var):
+                    self._warn_unseen(optimizer, var)
+                    continue
+            elif extras_only:
                 continue
             for slot, decay in zip(slots, decays):
                 slot.assign(self._mix(slot, var, decay, average, copy))
+        if extras_only:
+            return
         step = ops.cast(average if average is not None else True, "int32")
         self.count.assign(self.count.value + ops.cast(step, self.count.dtype))
         if self.debias is not None:
             self.debias.assign(self._mix_scalar(decays[0], average, copy))
+
+    def _warn_unseen(self, optimizer, var):
+        # JAX's fit() step updates these right after (backend.attach_model);
+        # a hand-written stateless step never does: say so, once.
+        if getattr(optimizer, "_keo_fit_step", False) or getattr(
+            self, "_warned_unseen", False
+        ):
+            return
+        self._warned_unseen = True
+        warnings.warn(
+            "include_non_trainable=True: this stateless optimizer step was "
+            f"not given the model's non-trainable variables ({var.path}, "
+            "...), so their averages are not updated by it. Train with "
+            "`fit()`, or with stateful steps (`apply_gradients`).",
+            stacklevel=4,
+        )
 
     @staticmethod
     def _mix(slot, var, decay, average, copy):
@@ -177,9 +240,9 @@ class Averager:
         The averager is built on the optimizer's own variable list, so
         Keras' key -> index map answers without a scan.
         """
-        return optimizer._trainable_variables_indices.get(
-            optimizer._var_key(variable)
-        )
+        key = optimizer._var_key(variable)
+        index = optimizer._trainable_variables_indices.get(key)
+        return self.extra_index.get(key) if index is None else index
 
     def value(self, i, slot=0):
         """The average of variable ``i`` (debiased where asked)."""

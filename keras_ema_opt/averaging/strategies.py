@@ -52,6 +52,13 @@ class Averaging:
         finalize: Whether ``finalize_variable_values`` (called by ``fit()``
             at its end) writes the averages into the model (Keras 2), or
             leaves the raw weights there (``False``).
+        include_non_trainable: Also average the model's non-trainable float
+            variables (BatchNorm moving statistics), so that the averaged
+            model's statistics match its averaged weights (timm
+            ``ModelEmaV3``). Integer variables are never averaged. The
+            model is the one whose ``compile``/``fit`` builds the
+            optimizer; a custom loop names it with
+            ``optimizer.track_non_trainable(model)`` before the first step.
 
     A strategy defines ``decays(n, t)``: the weight ``d`` kept on the old
     average at the ``n``-th averaging update, made at optimizer step ``t``
@@ -84,8 +91,10 @@ class Averaging:
         every=1,
         average_dtype=None,
         finalize=True,
+        include_non_trainable=False,
     ):
         self.start_step = _check_int("start_step", start_step, 0)
+        self.include_non_trainable = bool(include_non_trainable)
         self.every = _check_int("every", every, 1)
         self.average_dtype = (
             None if average_dtype is None
@@ -103,6 +112,7 @@ class Averaging:
             "every": self.every,
             "average_dtype": self.average_dtype,
             "finalize": self.finalize,
+            "include_non_trainable": self.include_non_trainable,
         }
 
     @classmethod

@@ -21,6 +21,13 @@ here. Each backend module provides the same set:
   buffer with its source.
 - ``sync_training_state(model)``: make the variables current in the middle of
   ``fit()`` (JAX keeps the state outside them between epochs).
+- ``current_value(variable)``: a copy of a variable's value at this moment,
+  even while a step is being traced.
+- ``value_visible(variable)``: whether the running step reads the current
+  value of a model variable it was not handed (JAX stateless steps do not).
+- ``attach_model(optimizer, model)``: let ``fit()`` on ``model`` feed the
+  model's new non-trainable values to the averaging (JAX wraps the model's
+  ``train_step``; a no-op elsewhere).
 """
 
 import keras
@@ -52,6 +59,9 @@ prepare_gradients = _impl.prepare_gradients
 colocate_with = _impl.colocate_with
 assign_copy = _impl.assign_copy
 sync_training_state = _impl.sync_training_state
+value_visible = _impl.value_visible
+current_value = _impl.current_value
+attach_model = _impl.attach_model
 
 __all__ = [
     "NAME",
@@ -65,4 +75,7 @@ __all__ = [
     "prepare_gradients",
     "resolve_jit_compile",
     "sync_training_state",
+    "value_visible",
+    "current_value",
+    "attach_model",
 ]

@@ -40,3 +40,21 @@ def check_no_tape(tape, backend_name):
             "Pass the loss as a callable that takes no arguments and "
             "returns the value to minimize, and leave `tape=None`."
         )
+
+
+def value_visible(variable):
+    """Whether reading ``variable`` now gives its current value (always,
+    where variables are stateful)."""
+    del variable
+    return True
+
+
+def attach_model(optimizer, model):
+    """Nothing to do where the optimizer step reads the model's
+    non-trainable variables directly."""
+    del optimizer, model
+
+
+def current_value(variable):
+    """A copy of ``variable``'s value now."""
+    return keras.ops.copy(variable.value)

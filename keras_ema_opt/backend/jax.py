@@ -3,6 +3,7 @@
 import jax
 import jax.numpy as jnp
 from keras.src.backend.common.stateless_scope import StatelessScope
+from keras.src.backend.common.stateless_scope import get_stateless_scope
 from keras.src.backend.common.stateless_scope import in_stateless_scope
 
 import keras
@@ -11,6 +12,7 @@ from keras_ema_opt.backend import _common
 keras_optimizer_class = _common.keras_optimizer_class
 colocate_with = _common.no_placement
 assign_copy = _common.assign_copy
+current_value = _common.current_value
 
 
 class OptimizerHooks:
@@ -44,6 +46,9 @@ def compiled_apply(optimizer, grads, variables):
     grads, variables = optimizer._filter_empty_gradients(grads, variables)
     model_vars = list(optimizer._trainable_variables)
     opt_vars = optimizer.variables
+    averager = getattr(optimizer, "_averager", None)
+    # Averaged non-trainable variables are read, never written, by the step.
+    read_vars = [v for _, v in averager.extras()] if averager else []
     key = (tuple(id(v) for v in variables), tuple(id(v) for v in opt_vars))
     model_values = [v.value for v in model_vars]
     opt_values = [v.value for v in opt_vars]
@@ -51,9 +56,11 @@ def compiled_apply(optimizer, grads, variables):
     cache = optimizer.__dict__.setdefault("_keo_compiled", {})
     fn = cache.get((key, donate))
     if fn is None:
-        fn = _make_step(optimizer, variables, model_vars, opt_vars, donate)
+        fn = _make_step(optimizer, variables, model_vars, opt_vars, read_vars,
+                        donate)
         cache[(key, donate)] = fn
-    new_model, new_opt = fn(model_values, opt_values, list(grads))
+    new_model, new_opt = fn(model_values, opt_values, list(grads),
+                            [v.value for v in read_vars])
     for var, value in zip(model_vars, new_model):
         var.assign(value)
     for var, value in zip(opt_vars, new_opt):
@@ -61,10 +68,11 @@ def compiled_apply(optimizer, grads, variables):
     return optimizer.iterations
 
 
-def _make_step(optimizer, variables, model_vars, opt_vars, donate):
-    def step(model_values, opt_values, grads):
+def _make_step(optimizer, variables, model_vars, opt_vars, read_vars, donate):
+    def step(model_values, opt_values, grads, read_values):
         mapping = list(zip(model_vars, model_values))
         mapping += list(zip(opt_vars, opt_values))
+        mapping += list(zip(read_vars, read_values))
         with StatelessScope(state_mapping=mapping) as scope:
             optimizer.apply(grads, variables)
         return (
@@ -73,6 +81,85 @@ def _make_step(optimizer, variables, model_vars, opt_vars, donate):
         )
 
     return jax.jit(step, donate_argnums=(0, 1) if donate else ())
+
+
+def value_visible(variable):
+    """Inside a stateless step only the variables it maps have their current
+    value; any other reads as a constant captured when it was traced."""
+    if not in_stateless_scope():
+        return True
+    return get_stateless_scope().get_current_value(variable) is not None
+
+
+def attach_model(optimizer, model):
+    """Average ``model``'s non-trainable variables in its ``fit()``.
+
+    JAX's ``fit()`` step calls ``optimizer.stateless_apply`` with the
+    trainable variables only, while the new non-trainable values (BatchNorm
+    statistics) come back from the forward pass beside it. The model's
+    ``train_step`` is wrapped (on this instance) so that, after Keras' step,
+    the averages of the non-trainable variables take one update from the
+    new values, with the counters the step itself used.
+    """
+    if getattr(model, "_keo_averaging_step", None) is optimizer:
+        return
+    original = model.train_step
+    if getattr(original, "_keo_wrapped", None) is not None:
+        original = original._keo_wrapped
+
+    def train_step(state, data):
+        before = state[2]
+        optimizer._keo_fit_step = True  # while tracing: statistics come next
+        try:
+            logs, state = original(state, data)
+        finally:
+            optimizer._keo_fit_step = False
+        trainable, non_trainable, after, metrics = state
+        non_trainable, after = _average_non_trainable(
+            optimizer, model, before, after, non_trainable
+        )
+        return logs, (trainable, non_trainable, after, metrics)
+
+    train_step._keo_wrapped = original
+    model.train_step = train_step
+    model._keo_averaging_step = optimizer
+    model.train_function = None  # rebuilt around the wrapped step
+
+
+def _average_non_trainable(optimizer, model, before, after, non_trainable):
+    averager = optimizer._averager
+    extras = averager.extras()
+    if not extras:
+        return non_trainable, after
+    state_vars = model.optimizer.variables
+    # The counters as the optimizer's step saw them, and whether the step
+    # was taken (a loss-scale optimizer skips non-finite ones).
+    iterations = optimizer._iterations
+    position = {id(v): i for i, v in enumerate(state_vars)}
+    i_iter = position[id(iterations)]
+    applied = jnp.not_equal(after[i_iter], before[i_iter])
+    mapping = list(zip(state_vars, before))
+    mapping += list(zip(model.non_trainable_variables, non_trainable))
+    frequency = optimizer.ema_overwrite_frequency
+    with StatelessScope(state_mapping=mapping) as scope:
+        averager.update(optimizer, extras_only=True, applied=applied)
+    after = list(after)
+    for i, var in extras:
+        for slot in averager.slots[i]:
+            after[position[id(slot)]] = scope.get_current_value(slot)
+    if frequency:
+        # The overwrite reads the new averages (later entries win).
+        mapping = list(zip(state_vars, before))
+        mapping += [(s, after[position[id(s)]]) for i, _ in extras
+                    for s in averager.slots[i]]
+        mapping += list(zip(model.non_trainable_variables, non_trainable))
+        with StatelessScope(state_mapping=mapping) as scope:
+            averager.overwrite(optimizer, frequency, extras_only=True,
+                               applied=applied)
+        non_trainable = [
+            scope.get_current_value(v) for v in model.non_trainable_variables
+        ]
+    return non_trainable, after
 
 
 def _distinct_buffers(values):

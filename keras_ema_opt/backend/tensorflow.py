@@ -7,6 +7,8 @@ import keras
 from keras_ema_opt.backend import _common
 
 keras_optimizer_class = _common.keras_optimizer_class
+value_visible = _common.value_visible
+attach_model = _common.attach_model
 
 
 class OptimizerHooks:
@@ -111,6 +113,17 @@ def assign_copy(optimizer, variable, value):
         lambda target, source: target.assign(tf.cast(source, target.dtype)),
         args=(_tf_variable(value),),
     )
+
+
+def current_value(variable):
+    """A copy of ``variable``'s value now, read eagerly.
+
+    The optimizer is often built inside ``fit()``'s first traced step: a
+    read traced there would run after that step's forward pass had updated
+    the BatchNorm statistics, not now.
+    """
+    with tf.init_scope():
+        return tf.identity(_tf_variable(variable).read_value())
 
 
 def sync_training_state(model):

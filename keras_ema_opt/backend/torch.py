@@ -8,6 +8,9 @@ from keras_ema_opt.backend import _common
 
 colocate_with = _common.no_placement
 assign_copy = _common.assign_copy
+value_visible = _common.value_visible
+current_value = _common.current_value
+attach_model = _common.attach_model
 
 # Keras builds these multi-tensor (`torch._foreach_*`) classes when
 # `keras.optimizers.<Name>()` is called on PyTorch; reusing them keeps our

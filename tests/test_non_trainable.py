@@ -1,0 +1,247 @@
+"""`include_non_trainable=True`: BatchNorm statistics averaged with the
+weights, in `fit()` on every backend (JAX's stateless step included), in
+custom loops, through `.keras` files, under gradient accumulation.
+
+Oracle: the raw statistics of an identical run without averaging, recorded
+after every optimizer step, averaged in float64 numpy by the EMA formula
+(a_0 = s_0, a_t = m a_{t-1} + (1 - m) s_t)."""
+
+import keras
+import numpy as np
+import pytest
+
+import keras_ema_opt
+from keras_ema_opt import backend
+from keras_ema_opt.errors import InvalidArgumentError
+from tests.conftest import only_on
+from tests.conftest import to_numpy
+
+M = 0.8
+
+
+def _model():
+    return keras.Sequential([
+        keras.Input((3,)),
+        keras.layers.Dense(4),
+        keras.layers.BatchNormalization(momentum=0.5),
+        keras.layers.Dense(1),
+    ])
+
+
+def _data():
+    rng = np.random.RandomState(0)
+    x = rng.randn(48, 3).astype("float32")
+    return x, (x @ np.array([[1.0], [-2.0], [0.5]])).astype("float32")
+
+
+class _Record(keras.callbacks.Callback):
+    """Records the BatchNorm statistics after each batch."""
+
+    def __init__(self, every=1):
+        super().__init__()
+        self.every = every
+        self.stats = []
+
+    def on_train_batch_end(self, batch, logs=None):
+        if (batch + 1) % self.every:
+            return
+        backend.sync_training_state(self.model)
+        bn = self.model.layers[1]
+        self.stats.append([to_numpy(bn.moving_mean).astype("float64"),
+                           to_numpy(bn.moving_variance).astype("float64")])
+
+
+def _reference(initial, stats, m=M):
+    averages = [a.astype("float64") for a in initial]
+    for step in stats:
+        averages = [m * a + (1 - m) * s for a, s in zip(averages, step)]
+    return averages
+
+
+def _fit(optimizer, weights, callbacks=(), accumulation=None, epochs=1):
+    model = _model()
+    model.set_weights(weights)
+    model.compile(optimizer=optimizer, loss="mse")
+    x, y = _data()
+    model.fit(x, y, batch_size=8, epochs=epochs, shuffle=False, verbose=0,
+              callbacks=list(callbacks))
+    return model
+
+
+@pytest.mark.parametrize("epochs", [1, 2])
+def test_fit_averages_batchnorm_statistics(epochs):
+    weights = _model().get_weights()
+    initial = [weights[2], weights[3]]  # BN gamma, beta, mean, var order
+    bn_initial = [weights[4], weights[5]]
+    record = _Record()
+    raw = _fit(keras_ema_opt.SGD(0.05), weights, [record], epochs=epochs)
+    averaging = keras_ema_opt.EMA(M, include_non_trainable=True,
+                                  finalize=False)
+    model = _fit(keras_ema_opt.SGD(0.05, averaging=averaging), weights,
+                 epochs=epochs)
+    del initial
+    bn = model.layers[1]
+    # The averaging does not change the training trajectory...
+    np.testing.assert_array_equal(to_numpy(bn.moving_mean),
+                                  to_numpy(raw.layers[1].moving_mean))
+    # ...and the statistics' averages follow the formula over every step.
+    expected = _reference(bn_initial, record.stats)
+    optimizer = model.optimizer
+    for var, want in zip([bn.moving_mean, bn.moving_variance], expected):
+        np.testing.assert_allclose(to_numpy(optimizer.average_of(var)),
+                                   want, rtol=1e-5, atol=1e-6)
+    assert len(record.stats) == 6 * epochs
+
+
+def test_finalize_writes_averaged_statistics_and_swap_restores_them():
+    weights = _model().get_weights()
+    averaging = keras_ema_opt.EMA(M, include_non_trainable=True)
+    model = _fit(keras_ema_opt.SGD(0.05, averaging=averaging), weights)
+    bn = model.layers[1]
+    averaged = to_numpy(model.optimizer.average_of(bn.moving_mean))
+    # fit() ended: finalize_variable_values wrote the averages, statistics
+    # included (the default `finalize=True`, Keras 2 semantics).
+    np.testing.assert_array_equal(to_numpy(bn.moving_mean), averaged)
+    bn.moving_mean.assign(np.full((4,), 7.0, "float32"))
+    with model.optimizer.swap_average(model):
+        np.testing.assert_array_equal(to_numpy(bn.moving_mean), averaged)
+    np.testing.assert_array_equal(to_numpy(bn.moving_mean),
+                                  np.full((4,), 7.0, "float32"))
+
+
+def test_without_the_option_statistics_are_not_averaged():
+    model = _fit(keras_ema_opt.SGD(0.05, use_ema=True), _model().get_weights())
+    with pytest.raises(KeyError, match="moving_mean"):
+        model.optimizer.average_of(model.layers[1].moving_mean)
+
+
+def test_gradient_accumulation_averages_statistics_on_real_steps():
+    weights = _model().get_weights()
+    record = _Record(every=2)
+    _fit(keras_ema_opt.SGD(0.05, gradient_accumulation_steps=2), weights,
+         [record])
+    averaging = keras_ema_opt.EMA(M, include_non_trainable=True,
+                                  finalize=False)
+    model = _fit(keras_ema_opt.SGD(0.05, gradient_accumulation_steps=2,
+                                   averaging=averaging), weights)
+    bn = model.layers[1]
+    expected = _reference([weights[4], weights[5]], record.stats)
+    assert len(record.stats) == 3
+    for var, want in zip([bn.moving_mean, bn.moving_variance], expected):
+        np.testing.assert_allclose(
+            to_numpy(model.optimizer.average_of(var)), want, rtol=1e-5,
+            atol=1e-6)
+
+
+def test_custom_loop_with_track_non_trainable():
+    model = _model()
+    initial = [to_numpy(v) for v in model.layers[1].non_trainable_variables]
+    optimizer = keras_ema_opt.SGD(
+        0.05, averaging=keras_ema_opt.EMA(M, include_non_trainable=True))
+    optimizer.track_non_trainable(model)
+    # Averages start as copies of the variables when the optimizer is built.
+    optimizer.build(model.trainable_variables)
+    x, y = _data()
+    stats = []
+    for i in range(3):
+        batch = x[8 * i: 8 * i + 8]
+        grads_and_vars = optimizer.compute_gradients(
+            lambda: keras.ops.mean(model(batch, training=True)),
+            model.trainable_variables)
+        optimizer.apply_gradients(grads_and_vars)
+        stats.append([to_numpy(v).astype("float64")
+                      for v in model.layers[1].non_trainable_variables])
+    # compute_gradients ran the forward pass once: one statistics update per
+    # step, which the average sees.
+    bn = model.layers[1]
+    expected = _reference(initial, stats)
+    for var, want in zip([bn.moving_mean, bn.moving_variance], expected):
+        np.testing.assert_allclose(to_numpy(optimizer.average_of(var)),
+                                   want, rtol=1e-5, atol=1e-6)
+
+
+def test_keras_file_carries_statistics_averages(tmp_path):
+    averaging = keras_ema_opt.EMA(M, include_non_trainable=True,
+                                  finalize=False)
+    model = _fit(keras_ema_opt.SGD(0.05, averaging=averaging),
+                 _model().get_weights())
+    bn = model.layers[1]
+    saved = to_numpy(model.optimizer.average_of(bn.moving_variance))
+    path = str(tmp_path / "m.keras")
+    model.save(path)
+    loaded = keras.saving.load_model(path)
+    got = loaded.optimizer.average_of(loaded.layers[1].moving_variance)
+    np.testing.assert_array_equal(to_numpy(got), saved)
+    x, y = _data()
+    loaded.fit(x, y, batch_size=8, verbose=0)  # and it keeps training
+
+
+class _Counting(keras.layers.Layer):
+    """A layer with an integer non-trainable variable (a step counter)."""
+
+    def build(self, input_shape):
+        self.counter = self.add_weight(
+            shape=(), dtype="int32", initializer="zeros", trainable=False,
+            name="counter")
+
+    def call(self, x):
+        self.counter.assign_add(1)
+        return x
+
+
+def test_integer_non_trainable_variables_are_never_averaged():
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2),
+                              keras.layers.BatchNormalization(), _Counting()])
+    optimizer = keras_ema_opt.SGD(
+        averaging=keras_ema_opt.SWA(include_non_trainable=True))
+    model.compile(optimizer=optimizer, loss="mse")
+    model.fit(np.ones((4, 3)), np.ones((4, 2)), verbose=0)
+    with pytest.raises(KeyError, match="counter"):
+        optimizer.average_of(model.layers[2].counter)
+    assert optimizer.average_of(model.layers[1].moving_mean) is not None
+
+
+def test_errors_name_what_was_received():
+    optimizer = keras_ema_opt.SGD(
+        averaging=keras_ema_opt.EMA(include_non_trainable=True))
+    model = _model()
+    with pytest.raises(InvalidArgumentError, match="track_non_trainable"):
+        optimizer.build(model.trainable_variables)
+    with pytest.raises(InvalidArgumentError, match="keras.Model"):
+        optimizer.track_non_trainable([1, 2])
+    built = keras_ema_opt.SGD(use_ema=True)
+    built.build(model.trainable_variables)
+    with pytest.raises(InvalidArgumentError, match="before the optimizer"):
+        built.track_non_trainable(model)
+
+
+def test_loss_scale_optimizer_averages_statistics():
+    weights = _model().get_weights()
+    record = _Record()
+    _fit(keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(0.05)),
+         weights, [record])
+    averaging = keras_ema_opt.EMA(M, include_non_trainable=True,
+                                  finalize=False)
+    optimizer = keras_ema_opt.averaged(
+        keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(0.05)),
+        averaging)
+    model = _fit(optimizer, weights)
+    bn = model.layers[1]
+    expected = _reference([weights[4], weights[5]], record.stats)
+    for var, want in zip([bn.moving_mean, bn.moving_variance], expected):
+        np.testing.assert_allclose(to_numpy(optimizer.average_of(var)), want,
+                                   rtol=1e-5, atol=1e-6)
+
+
+@only_on("jax")
+def test_stateless_step_without_statistics_warns():
+    model = _model()
+    optimizer = keras_ema_opt.SGD(
+        averaging=keras_ema_opt.EMA(include_non_trainable=True))
+    optimizer.track_non_trainable(model)
+    optimizer.build(model.trainable_variables)
+    grads = [keras.ops.ones_like(v.value) for v in model.trainable_variables]
+    with pytest.warns(UserWarning, match="non-trainable"):
+        optimizer.stateless_apply(
+            [v.value for v in optimizer.variables], grads,
+            [v.value for v in model.trainable_variables])
