@@ -1,6 +1,8 @@
 """The ``keras-ema-opt`` command.
 
     keras-ema-opt demo        raw vs EMA vs SWA vs post-hoc EMA on digits
+    keras-ema-opt migrate SRC DST.keras   Keras 2 training state -> Keras 3
+    keras-ema-opt inspect SRC [--json]    what a Keras 2 artifact holds
     keras-ema-opt info        versions of keras, the backend and this package
     keras-ema-opt --version
 
@@ -46,6 +48,92 @@ def _demo(args):
     return 0
 
 
+def _load_attr(spec, what):
+    """``module:function`` -> the object, for ``--model``."""
+    import importlib
+
+    module, _, name = spec.partition(":")
+    if not module or not name:
+        raise ValueError(
+            f"{what} takes module:function. Received: {spec!r}")
+    return getattr(importlib.import_module(module), name)
+
+
+def _custom_objects(spec):
+    """``--custom-objects module``: the module's public classes and
+    functions by name, or its ``CUSTOM_OBJECTS`` dict when it has one."""
+    import importlib
+
+    if not spec:
+        return None
+    module = importlib.import_module(spec)
+    objects = getattr(module, "CUSTOM_OBJECTS", None)
+    if objects is None:
+        objects = {k: v for k, v in vars(module).items()
+                   if not k.startswith("_") and callable(v)}
+    return dict(objects)
+
+
+def _migrate(args):
+    from keras_ema_opt import savedmodel
+
+    def say(message):
+        if not args.quiet:
+            print(f"keras-ema-opt migrate: {message}", file=sys.stderr,
+                  flush=True)
+
+    try:
+        model = _load_attr(args.model, "--model") if args.model else None
+        model_ = savedmodel.migrate(
+            args.src, args.dst, custom_objects=_custom_objects(
+                args.custom_objects), safe_mode=not args.unsafe,
+            model=model, verify=not args.no_verify, progress=say)
+    except Exception as e:  # one line, non-zero exit; typed errors named
+        print(f"keras-ema-opt migrate: error: {type(e).__name__}: "
+              f"{str(e).splitlines()[0] if str(e) else ''}", file=sys.stderr)
+        return 1
+    import keras
+
+    optimizer = model_.optimizer
+    step = int(keras.ops.convert_to_numpy(optimizer.iterations))
+    print(f"wrote {args.dst}: {len(model_.weights)} weights, optimizer "
+          f"{type(optimizer).__name__} at iteration {step}")
+    return 0
+
+
+def _inspect(args):
+    from keras_ema_opt import savedmodel
+
+    try:
+        summary = savedmodel.inspect(args.src).summary()
+    except Exception as e:
+        print(f"keras-ema-opt inspect: error: {type(e).__name__}: "
+              f"{str(e).splitlines()[0] if str(e) else ''}", file=sys.stderr)
+        return 1
+    if args.json:
+        print(json.dumps(summary, indent=2))
+        return 0
+    print(f"{summary['path']} ({summary['format']}, Keras "
+          f"{summary['keras_version'] or 'unknown'})")
+    model = summary["model"] or {}
+    print(f"  model: {model.get('class_name')} {model.get('name')!r}, "
+          f"{len(summary['weights'])} weights")
+    opt = summary["optimizer"]
+    if opt is None:
+        print("  optimizer: none")
+    else:
+        print(f"  optimizer: {opt['class_name']} ({opt['kind']}), "
+              f"iterations {opt['iterations']}, learning rate "
+              f"{opt['learning_rate']}, EMA {'yes' if opt['ema'] else 'no'}")
+        if opt["config"]:
+            print(f"  config: {json.dumps(opt['config'].get('config', opt['config']))}")
+        for name, slots in opt["slots"].items():
+            print(f"    {name}: {', '.join(slots)}")
+    for warning in summary["warnings"]:
+        print(f"  note: {warning}")
+    return 0
+
+
 def _version(package):
     try:
         return importlib.metadata.version(package)
@@ -71,6 +159,24 @@ def _parser():
     demo.add_argument("--epochs", type=int, default=12)
     demo.add_argument("--seed", type=int, default=0)
     demo.add_argument("--no-plot", action="store_true")
+    migrate = sub.add_parser(
+        "migrate", help="turn a Keras 2 artifact (SavedModel, .h5, TF "
+        "checkpoint) into a Keras 3 .keras file that resumes training")
+    migrate.add_argument("src", help="SavedModel dir, .h5, checkpoint prefix")
+    migrate.add_argument("dst", help="the .keras file to write")
+    migrate.add_argument("--model", metavar="MODULE:FUNCTION",
+                         help="builds the Keras 3 model (bare checkpoints)")
+    migrate.add_argument("--custom-objects", metavar="MODULE",
+                         help="module with custom layers/losses/optimizers")
+    migrate.add_argument("--no-verify", action="store_true",
+                         help="skip reloading and comparing the output")
+    migrate.add_argument("--unsafe", action="store_true",
+                         help="allow Lambda layers (runs stored bytecode)")
+    migrate.add_argument("--quiet", action="store_true")
+    inspect = sub.add_parser(
+        "inspect", help="print what a Keras 2 artifact holds")
+    inspect.add_argument("src")
+    inspect.add_argument("--json", action="store_true", help="print JSON")
     info = sub.add_parser("info", help="print versions of what is installed")
     info.add_argument("--json", action="store_true", help="print JSON")
     return parser
@@ -82,6 +188,10 @@ def main(argv=None):
     args = parser.parse_args(argv)
     if args.command == "demo":
         return _demo(args)
+    if args.command == "migrate":
+        return _migrate(args)
+    if args.command == "inspect":
+        return _inspect(args)
     if args.command == "info":
         info = environment_info()
         if args.json:

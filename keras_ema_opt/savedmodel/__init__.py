@@ -1,0 +1,265 @@
+"""Keras 2 training state into Keras 3, without TensorFlow.
+
+Readers for tf.keras SavedModel directories, full ``.h5`` files, TF object
+checkpoints (``tf.train.Checkpoint`` and ``save_weights`` TF format) and
+tf_keras ``.keras`` files produce one plain :class:`LegacyRecord`; the
+migration builds the Keras 3 model from its config and gives it the
+weights and the optimizer state, so that training resumes exactly on any
+backend. Layouts and rules: ``docs/migration.md``.
+
+Example:
+
+```python
+import keras_ema_opt
+
+model = keras_ema_opt.load_legacy("old_savedmodel_dir/")   # compiled
+model.fit(x, y)                                            # resumes
+record = keras_ema_opt.savedmodel.inspect("old_model.h5")  # plain data
+```
+"""
+
+import os
+import tempfile
+
+import numpy as np
+
+from keras_ema_opt.savedmodel import convert
+from keras_ema_opt.savedmodel import readers
+from keras_ema_opt.savedmodel.record import LegacyRecord
+from keras_ema_opt.savedmodel.record import OptimizerState
+from keras_ema_opt.savedmodel.record import Slot
+
+
+def inspect(path):
+    """Read a Keras 2 artifact into a :class:`LegacyRecord` (numpy only).
+
+    Args:
+        path: A SavedModel directory, a full ``.h5`` file, a TF checkpoint
+            prefix (or its ``.index`` file, or a folder with a
+            ``checkpoint`` file), or a tf_keras ``.keras`` file.
+
+    Returns:
+        The record: model config, weights by object path, optimizer class,
+        config, iterations, learning rate, slots and EMA averages.
+
+    Raises:
+        keras_ema_opt.errors.LegacyFormatError: naming the file (and key)
+            when it is not such an artifact or is damaged.
+    """
+    return readers.read(path)
+
+
+def model_from_config(config, custom_objects=None, safe_mode=True):
+    """A Keras 3 model from a Keras 2 model config (a dict or its JSON, as
+    ``model.to_json()`` / ``model.get_config()`` wrote it in Keras 2).
+
+    Raises:
+        LegacyConfigError: a Lambda layer under ``safe_mode``, a removed
+            argument with a value that mattered, an unknown class (named).
+    """
+    import json
+
+    if isinstance(config, (str, bytes)):
+        config = json.loads(config, object_hook=readers._tuples)
+    record = LegacyRecord(path="<config>", format="config",
+                          model_config=config)
+    return convert.build_model(record, custom_objects, safe_mode)
+
+
+def load_legacy(path, custom_objects=None, safe_mode=True, model=None):
+    """A compiled Keras 3 model holding a Keras 2 artifact's training state.
+
+    Args:
+        path: As for :func:`inspect`.
+        custom_objects: Dict of custom layers, losses and optimizers by
+            name.
+        safe_mode: Refuse Lambda layers (marshalled bytecode), as Keras 3
+            does; ``False`` to load them from a trusted file.
+        model: A Keras 3 model (or a function returning one) to use instead
+            of the artifact's config: required for bare checkpoints.
+
+    Returns:
+        The model, compiled with the migrated optimizer (every slot, the
+        iteration count, the learning rate, the EMA averages).
+
+    Raises:
+        LegacyFormatError, LegacyConfigError, LegacyStateError: naming the
+        file, key, class or variable.
+    """
+    return _load(path, custom_objects, safe_mode, model)[0]
+
+
+def _load(path, custom_objects, safe_mode, model):
+    """(model, record, {record weight key: model variable})."""
+    import keras
+
+    record = readers.read(path)
+    if record.format == "keras_v2_zip" and model is None:
+        return _load_keras_zip(record, custom_objects, safe_mode), record, {}
+    if model is None:
+        model = convert.build_model(record, custom_objects, safe_mode)
+    elif callable(model) and not isinstance(model, keras.Model):
+        model = model()
+    mapping = convert.assign_weights(record, model)
+    optimizer = getattr(model, "optimizer", None)
+    if record.optimizer is not None:
+        if optimizer is None:
+            optimizer = convert.optimizer_from_record(record, custom_objects)
+        convert.fill_optimizer(record, optimizer, mapping, model)
+    if getattr(model, "optimizer", None) is None or not getattr(
+            model, "compiled", False):
+        model.compile(optimizer=optimizer or "rmsprop",
+                      **convert.compile_arguments(record, custom_objects))
+    return model, record, mapping
+
+
+def _load_keras_zip(record, custom_objects, safe_mode):
+    import warnings
+
+    import keras
+
+    model = keras.saving.load_model(record.path, custom_objects=custom_objects,
+                                    compile=False, safe_mode=safe_mode)
+    for message in record.warnings:
+        warnings.warn(message, stacklevel=3)
+    model.compile(optimizer="rmsprop",
+                  **convert.compile_arguments(record, custom_objects))
+    return model
+
+
+def restore_checkpoint(model, path, optimizer=None):
+    """Restore a TF checkpoint (``tf.train.Checkpoint`` or ``save_weights``)
+    into a Keras 3 model you built.
+
+    Args:
+        model: The Keras 3 model, with the architecture the checkpoint was
+            written from.
+        path: The checkpoint prefix (or ``.index`` file, or folder).
+        optimizer: The Keras 3 optimizer to fill; default ``model.optimizer``,
+            else one made from the checkpoint's structure.
+
+    Returns:
+        The optimizer holding the state (``None`` when the checkpoint has
+        none); the model holds the weights.
+    """
+    record = readers.read(path)
+    mapping = convert.assign_weights(record, model)
+    if record.optimizer is None:
+        return None
+    optimizer = optimizer or getattr(model, "optimizer", None) or (
+        convert.optimizer_from_record(record))
+    return convert.fill_optimizer(record, optimizer, mapping, model)
+
+
+def migrate(src, dst, custom_objects=None, safe_mode=True, model=None,
+            verify=True, progress=None):
+    """Write the Keras 3 ``.keras`` file of a Keras 2 artifact, atomically.
+
+    The file is written to a temporary name beside ``dst``, then (unless
+    ``verify=False``) reloaded: every model and optimizer tensor is compared
+    with the migrated model and one forward pass runs; only then is it
+    renamed to ``dst``. On any failure no file is left at ``dst``.
+
+    Returns:
+        The migrated model.
+    """
+    import keras
+
+    say = progress or (lambda message: None)
+    if not str(dst).endswith(".keras"):
+        from keras_ema_opt.errors import InvalidArgumentError
+
+        raise InvalidArgumentError(
+            f"The destination must be a .keras file. Received: {dst}")
+    say(f"reading {src}")
+    migrated, record, mapping = _load(src, custom_objects, safe_mode, model)
+    directory = os.path.dirname(os.path.abspath(dst))
+    fd, tmp = tempfile.mkstemp(suffix=".keras", dir=directory,
+                               prefix=".migrate-")
+    os.close(fd)
+    try:
+        say(f"writing {dst}")
+        migrated.save(tmp)
+        if verify:
+            say("verifying: reload, compare every tensor, one forward pass")
+            reloaded = keras.saving.load_model(
+                tmp, custom_objects=custom_objects, safe_mode=safe_mode)
+            verify_same(migrated, reloaded)
+            _verify_source(record, mapping, migrated, reloaded)
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)
+        os.replace(tmp, dst)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+    say("done")
+    return migrated
+
+
+def verify_same(expected, actual):
+    """Every weight and optimizer variable equal, and a forward pass runs.
+
+    Raises:
+        LegacyStateError: naming the first tensor that differs.
+    """
+    from keras import ops
+
+    from keras_ema_opt.errors import LegacyStateError
+
+    pairs = list(zip(expected.weights, actual.weights))
+    if expected.optimizer is not None:
+        pairs += list(zip(expected.optimizer.variables,
+                          actual.optimizer.variables))
+    if len(expected.weights) != len(actual.weights) or (
+            expected.optimizer is not None and len(
+                expected.optimizer.variables) != len(
+                    actual.optimizer.variables)):
+        raise LegacyStateError(
+            "The written .keras file does not hold the same number of "
+            "variables as the migrated model.")
+    for a, b in pairs:
+        x = np.asarray(ops.convert_to_numpy(a))
+        y = np.asarray(ops.convert_to_numpy(b))
+        if x.shape != y.shape or not np.array_equal(x, y):
+            raise LegacyStateError(
+                f"{a.path} differs after writing and reloading the .keras "
+                "file.")
+    inputs = [np.zeros([1 if d is None else d for d in t.shape],
+                       dtype=_dtype(t)) for t in actual.inputs]
+    actual.predict(inputs if len(inputs) > 1 else inputs[0], verbose=0)
+
+
+def _verify_source(record, mapping, migrated, reloaded):
+    """The reloaded weights equal the source artifact's, tensor by tensor."""
+    from keras import ops
+
+    from keras_ema_opt.errors import LegacyStateError
+
+    position = {id(v): i for i, v in enumerate(migrated.weights)}
+    for key, var in mapping.items():
+        got = np.asarray(ops.convert_to_numpy(
+            reloaded.weights[position[id(var)]]))
+        want = np.asarray(record.weights[key]).astype(got.dtype)
+        if got.shape != want.shape or not np.array_equal(got, want):
+            raise LegacyStateError(
+                f"{record.path}: weight {key!r} differs from the source "
+                "after writing and reloading.")
+
+
+def _dtype(tensor):
+    dtype = str(getattr(tensor, "dtype", "float32"))
+    return "int32" if "int" in dtype else "float32"
+
+
+__all__ = [
+    "LegacyRecord",
+    "OptimizerState",
+    "Slot",
+    "inspect",
+    "load_legacy",
+    "migrate",
+    "model_from_config",
+    "restore_checkpoint",
+    "verify_same",
+]

@@ -1,0 +1,264 @@
+"""A :class:`LegacyRecord` into a compiled Keras 3 model that resumes
+training: the model from its Keras 2 config, the weights placed by name
+and shape, the optimizer through ``keras_ema_opt.compat`` with every slot,
+the iteration count, the learning rate and the EMA averages assigned."""
+
+import json
+
+import keras
+import numpy as np
+
+from keras_ema_opt.compat import configs
+from keras_ema_opt.compat import slots as slot_tables
+from keras_ema_opt.errors import LegacyConfigError
+from keras_ema_opt.errors import LegacyStateError
+
+# Legacy (OptimizerV2) structure -> class, for checkpoints without config.
+_NEW_FINGERPRINTS = (
+    ("_u_product", "Nadam"),
+)
+
+
+def _contains_lambda(config):
+    if isinstance(config, dict):
+        if config.get("class_name") == "Lambda":
+            return True
+        return any(_contains_lambda(v) for v in config.values())
+    if isinstance(config, list):
+        return any(_contains_lambda(v) for v in config)
+    return False
+
+
+def build_model(record, custom_objects=None, safe_mode=True):
+    """The Keras 3 model of a record's Keras 2 model config.
+
+    Raises:
+        LegacyConfigError: no config, a Lambda layer under ``safe_mode``, or
+            a class Keras 3 does not know (named).
+    """
+    config = record.model_config
+    if not isinstance(config, dict) or "config" not in config:
+        raise LegacyConfigError(
+            f"{record.path} holds no model config ({record.format}): build "
+            "the model yourself and pass it (`model=` / `--model "
+            "module:function`).")
+    if safe_mode and _contains_lambda(config):
+        raise LegacyConfigError(
+            f"{record.path}: the model has a Lambda layer, whose function "
+            "is stored as marshalled Python bytecode; loading it can run "
+            "arbitrary code. Pass `safe_mode=False` if you trust the file "
+            "(Keras 3 refuses it the same way).")
+    from keras.src.legacy.saving import saving_utils
+    from keras.src.saving.serialization_lib import SafeModeScope
+
+    from keras_ema_opt.compat.model_configs import upgrade_model_config
+
+    config = upgrade_model_config(json.loads(json.dumps(config)))
+    try:
+        with keras.saving.custom_object_scope(custom_objects or {}), \
+                SafeModeScope(safe_mode):
+            return saving_utils.model_from_config(
+                config, custom_objects=custom_objects)
+    except (TypeError, ValueError, KeyError, AttributeError) as e:
+        raise LegacyConfigError(
+            f"{record.path}: Keras 3 cannot build the Keras 2 model config "
+            f"({type(e).__name__}: {_first_line(e)}). A custom class comes "
+            "in through `custom_objects` / `--custom-objects module`."
+        ) from e
+
+
+def _first_line(error):
+    text = str(error).strip().splitlines()
+    return text[0] if text else type(error).__name__
+
+
+def assign_weights(record, model):
+    """Put the record's weights into ``model``; returns ``{key: variable}``.
+
+    Each Keras 2 weight goes to the first unused Keras 3 variable whose
+    path ends with its Keras 2 name (``d1/kernel`` -> ``seq/d1/kernel``)
+    and whose shape is the same; colliding names are taken in model order.
+
+    Raises:
+        LegacyStateError: a weight with no place, or a model variable left
+            without a value (both named, with shapes).
+    """
+    targets = list(model.weights)
+    used = set()
+    mapping = {}
+    for key, value in record.weights.items():
+        name = record.names.get(key, key)
+        var = _match(name, np.shape(value), targets, used)
+        if var is None:
+            candidates = [f"{v.path}{tuple(v.shape)}" for v in targets
+                          if id(v) not in used and v.path.endswith(
+                              "/" + name.split("/")[-1])]
+            raise LegacyStateError(
+                f"{record.path}: weight {key!r} ({name}, shape "
+                f"{tuple(np.shape(value))}) has no place in the Keras 3 "
+                f"model. Unused variables of that name: {candidates[:6]}")
+        used.add(id(var))
+        mapping[key] = var
+    missing = [f"{v.path}{tuple(v.shape)}" for v in targets
+               if id(v) not in used]
+    if missing:
+        raise LegacyStateError(
+            f"{record.path}: the artifact has no value for the Keras 3 "
+            f"model variables {missing[:6]}"
+            f"{'...' if len(missing) > 6 else ''}.")
+    for key, var in mapping.items():
+        var.assign(np.asarray(record.weights[key]).astype(
+            keras.backend.standardize_dtype(var.dtype)))
+    return mapping
+
+
+def _match(name, shape, targets, used):
+    suffix = None
+    for var in targets:
+        if id(var) in used or tuple(var.shape) != tuple(shape):
+            continue
+        path = var.path
+        if path == name or path.split("/", 1)[-1] == name:
+            return var
+        if suffix is None and path.endswith("/" + name):
+            suffix = var
+    return suffix
+
+
+def optimizer_from_record(record, custom_objects=None):
+    """The Keras 3 optimizer for the record's optimizer config (or, for a
+    bare checkpoint, its class told from the structure)."""
+    state = record.optimizer
+    if state.config is not None:
+        return configs.from_legacy_config(state.config, custom_objects)
+    name = state.class_name
+    hypers = state.hyperparameters
+    if state.kind == "legacy":
+        slot_set = set(state.slot_names())
+        for test, cls in slot_tables.LEGACY_FINGERPRINTS:
+            if test(slot_set, hypers):
+                name = name if name in configs.CLASS_NAMES else cls
+                break
+        config = {k: v for k, v in hypers.items()
+                  if k in ("decay", "beta_1", "beta_2", "rho", "momentum")}
+        if name == "Nadam":
+            config.pop("decay", None)
+        if state.learning_rate is not None:
+            config["learning_rate"] = float(state.learning_rate)
+        if "m" in slot_set and "vhat" in slot_set:
+            config["amsgrad"] = True
+        return configs.from_legacy_config(
+            {"class_name": name, "module": "keras.optimizers.legacy",
+             "config": config}, custom_objects)
+    if name not in configs.CLASS_NAMES:
+        raise LegacyConfigError(
+            f"{record.path}: a bare checkpoint does not record the optimizer "
+            f"class, and its variable names say {name!r}. Build the model "
+            "and optimizer yourself and use `restore_checkpoint(model, path,"
+            " optimizer=...)`.")
+    config = {}
+    if state.learning_rate is not None:
+        config["learning_rate"] = float(state.learning_rate)
+    if state.averages:
+        config["use_ema"] = True
+    return configs.from_legacy_config(
+        {"class_name": name, "config": config}, custom_objects)
+
+
+def fill_optimizer(record, optimizer, mapping, model):
+    """Build ``optimizer`` on ``model``'s trainable variables and assign the
+    record's optimizer state into it."""
+    state = record.optimizer
+    inner = getattr(optimizer, "inner_optimizer", optimizer)
+    if not optimizer.built:
+        optimizer.build(model.trainable_variables)
+    inner.iterations.assign(int(state.iterations))
+    lr = state.learning_rate
+    if lr is not None and isinstance(inner._learning_rate, keras.Variable):
+        inner._learning_rate.assign(float(np.asarray(lr)))
+    table = slot_tables.SLOT_ATTRIBUTES.get(type(inner).__name__, {})
+    averager = getattr(inner, "_averager", None)
+    missed = []
+    for slot in state.slots:
+        var = mapping.get(slot.weight)
+        index = None if var is None else inner._get_variable_index(var)
+        what = f"{slot.slot} of {record.names.get(slot.weight, slot.weight)}"
+        if slot.slot == "average":
+            if averager is None or index is None or (
+                    averager.slots[index] is None):
+                missed.append(what)
+                continue
+            _assign(averager.slots[index][0], slot.value, what, record)
+            continue
+        if _unused_buffer(inner, slot.slot):
+            continue
+        attribute = table.get(slot.slot)
+        target = getattr(inner, attribute, None) if attribute else None
+        if not target or index is None or index >= len(target) or (
+                target[index] is None):
+            if np.any(slot.value):
+                missed.append(what)
+            continue  # tf_keras' all-zero SGD `m` with momentum 0
+        _assign(target[index], slot.value, what, record)
+    if missed:
+        raise LegacyStateError(
+            f"{record.path}: {type(inner).__name__} built from the config has "
+            f"no place for the Keras 2 state {missed[:6]}"
+            f"{'...' if len(missed) > 6 else ''}.")
+    if hasattr(inner, "_u_product"):
+        from keras_ema_opt.compat.revival import _nadam_u_product
+
+        inner._u_product.assign(_nadam_u_product(inner, state.iterations))
+    cache = state.hyperparameters.get("momentum_cache")
+    if cache is not None and hasattr(inner, "_momentum_cache"):
+        inner._momentum_cache.assign(float(cache))
+    scale = state.hyperparameters.get("current_loss_scale")
+    if scale is not None and hasattr(optimizer, "dynamic_scale"):
+        optimizer.dynamic_scale.assign(float(scale))
+        optimizer.step_counter.assign(
+            int(state.hyperparameters.get("good_steps") or 0))
+    return optimizer
+
+
+def _unused_buffer(optimizer, slot):
+    """tf_keras' SGD keeps ``m = -lr * g`` even with ``momentum=0``, where
+    no later step reads it (Keras 3 creates no buffer then)."""
+    return (type(optimizer).__name__ == "SGD" and slot in ("m", "momentum")
+            and not getattr(optimizer, "momentum", 0))
+
+
+def _assign(variable, value, what, record):
+    if tuple(variable.shape) != tuple(np.shape(value)):
+        raise LegacyStateError(
+            f"{record.path}: shape mismatch for the {what}: the Keras 3 "
+            f"variable has {tuple(variable.shape)}, the Keras 2 state "
+            f"{tuple(np.shape(value))}.")
+    variable.assign(np.asarray(value).astype(
+        keras.backend.standardize_dtype(variable.dtype)))
+
+
+def compile_arguments(record, custom_objects=None):
+    """Loss, metrics and loss weights from the Keras 2 training config."""
+    training = record.training_config or {}
+    out = {}
+    loss = training.get("loss")
+    if loss is not None:
+        out["loss"] = _loss(loss, custom_objects, record)
+    if training.get("loss_weights") is not None:
+        out["loss_weights"] = training["loss_weights"]
+    return out
+
+
+def _loss(loss, custom_objects, record):
+    if isinstance(loss, dict) and "class_name" in loss:
+        try:
+            return keras.losses.deserialize(loss, custom_objects)
+        except (TypeError, ValueError) as e:
+            raise LegacyConfigError(
+                f"{record.path}: unknown loss {loss.get('class_name')!r} "
+                f"({_first_line(e)}).") from e
+    if isinstance(loss, dict):
+        return {k: _loss(v, custom_objects, record) for k, v in loss.items()}
+    if isinstance(loss, list):
+        return [_loss(v, custom_objects, record) for v in loss]
+    return loss

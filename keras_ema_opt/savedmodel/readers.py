@@ -1,0 +1,547 @@
+"""Readers of Keras 2 artifacts into one :class:`LegacyRecord`.
+
+numpy and h5py only: TF checkpoints through our own tensor-bundle reader
+(``bundle.py``) and protobuf decoder (``wire.py``), never TensorFlow.
+Layouts: ``docs/legacy.md`` and reference ``legacy-formats.md`` §2.
+"""
+
+import json
+import os
+import re
+import zipfile
+
+import numpy as np
+
+from keras_ema_opt.compat import slots as slot_tables
+from keras_ema_opt.errors import LegacyFormatError
+from keras_ema_opt.savedmodel.record import LegacyRecord
+from keras_ema_opt.savedmodel.record import OptimizerState
+from keras_ema_opt.savedmodel.record import Slot
+
+_VALUE = "VARIABLE_VALUE"
+# Every Keras 2 slot name (both spellings) and the EMA's.
+_SLOT_NAMES = {
+    name for table in slot_tables.SLOT_ATTRIBUTES.values() for name in table
+} | {"average", "accumulated_grad", "accumulated_delta_var", "velocity",
+     "average_gradient"}
+# New-optimizer list attributes that hold per-variable state.
+_NEW_LISTS = set(slot_tables.NEW_LIST_SLOTS) | {
+    "_model_variables_moving_average"}
+_LOSS_SCALE = ("current_loss_scale", "good_steps")
+
+
+def read(path):
+    """Read any supported Keras 2 artifact at ``path``.
+
+    Accepted: a SavedModel directory, a full ``.h5`` file, a TF checkpoint
+    prefix (``tf.train.Checkpoint`` or ``save_weights`` TF format; the
+    ``.index`` file or a folder with a ``checkpoint`` file also do), and a
+    tf_keras ``.keras`` file.
+
+    Raises:
+        LegacyFormatError: naming the path, when it is none of these or is
+            damaged.
+    """
+    path = os.fspath(path)
+    if os.path.isdir(path):
+        if os.path.exists(os.path.join(path, "saved_model.pb")):
+            return read_savedmodel(path)
+        prefix = _latest_checkpoint(path)
+        if prefix is not None:
+            return read_checkpoint(prefix)
+        raise LegacyFormatError(
+            f"{path} is a directory without saved_model.pb or a TF "
+            "checkpoint: expected a Keras 2 SavedModel directory or a "
+            "checkpoint folder.", path=path)
+    if path.endswith(".index") and os.path.isfile(path):
+        return read_checkpoint(path[: -len(".index")])
+    if os.path.isfile(path + ".index"):
+        return read_checkpoint(path)
+    if not os.path.exists(path):
+        raise LegacyFormatError(f"{path} does not exist.", path=path)
+    with open(path, "rb") as f:
+        head = f.read(8)
+    if head.startswith(b"\x89HDF\r\n\x1a\n"):
+        return read_h5(path)
+    if head.startswith(b"PK"):
+        return read_keras_zip(path)
+    raise LegacyFormatError(
+        f"{path} is not a Keras 2 artifact this reader knows: expected a "
+        "SavedModel directory, an .h5 file (HDF5 signature), a TF "
+        f"checkpoint prefix (<prefix>.index) or a .keras zip. Read the "
+        f"first bytes {head!r}.", path=path)
+
+
+def _latest_checkpoint(directory):
+    """The prefix named by a ``checkpoint`` state file, or the only one."""
+    state = os.path.join(directory, "checkpoint")
+    if os.path.isfile(state):
+        with open(state, encoding="utf-8", errors="replace") as f:
+            match = re.search(r'model_checkpoint_path:\s*"([^"]+)"', f.read())
+        if match:
+            prefix = match.group(1)
+            if not os.path.isabs(prefix):
+                prefix = os.path.join(directory, prefix)
+            return prefix
+    indexes = sorted(n for n in os.listdir(directory) if n.endswith(".index"))
+    if len(indexes) == 1:
+        return os.path.join(directory, indexes[0][: -len(".index")])
+    return None
+
+
+# ---------------------------------------------------------------------------
+# TF object checkpoints (and SavedModel variables/)
+# ---------------------------------------------------------------------------
+
+
+class _Graph:
+    """The checkpoint's object graph with values read on demand."""
+
+    def __init__(self, reader, path):
+        self.reader = reader
+        self.path = path
+        self.nodes = reader.object_graph()
+
+    def children(self, node):
+        try:
+            return {name: nid for nid, name in self.nodes[node]["children"]}
+        except (IndexError, KeyError, TypeError) as e:
+            raise LegacyFormatError(
+                f"{self.path}: the object graph has no node {node}.",
+                path=self.path, key=str(node)) from e
+
+    def attribute(self, node):
+        for attribute in self.nodes[node]["attributes"]:
+            if attribute["name"] == _VALUE:
+                return attribute
+        return None
+
+    def value(self, node):
+        attribute = self.attribute(node)
+        if attribute is None:
+            return None
+        return self.reader.get_tensor(attribute["checkpoint_key"])
+
+    def name(self, node):
+        attribute = self.attribute(node)
+        return None if attribute is None else _strip(attribute["full_name"])
+
+
+def _strip(name):
+    return re.sub(r":\d+$", "", str(name))
+
+
+def read_checkpoint(prefix, _format="checkpoint", _record=None):
+    """Read a TF object checkpoint (``tf.train.Checkpoint`` or
+    ``save_weights``) at ``prefix`` into a record."""
+    from keras_ema_opt.savedmodel.bundle import BundleReader
+
+    reader = BundleReader(prefix)
+    graph = _Graph(reader, prefix)
+    record = _record or LegacyRecord(path=str(prefix), format=_format)
+    root = graph.children(0)
+    model = root["model"] if "model" in root else 0
+    optimizer = root.get("optimizer")
+    if optimizer is None:
+        optimizer = graph.children(model).get("optimizer")
+    _read_model_weights(graph, model, optimizer, record)
+    if optimizer is not None:
+        record.optimizer = _read_optimizer(graph, optimizer, record)
+    elif record.format == "checkpoint":
+        record.warnings.append("The checkpoint holds no optimizer.")
+    return record
+
+
+def _natural(path):
+    return [int(p) if p.isdigit() else p
+            for p in re.split(r"(\d+)", path)]
+
+
+def _read_model_weights(graph, model, optimizer, record):
+    """Variables under the model's layers, keyed by object path."""
+    found = {}
+    stack = [(model, "")]
+    seen = {model}
+    if optimizer is not None:
+        seen.add(optimizer)
+    while stack:
+        node, path = stack.pop()
+        for name, child in graph.children(node).items():
+            if child in seen:
+                continue
+            top = (path + "/" + name).lstrip("/")
+            if not top.split("/")[0].startswith(("layer_with_weights-",
+                                                 "layer-")):
+                continue
+            seen.add(child)
+            if graph.attribute(child) is not None:
+                found[top] = child
+            stack.append((child, top))
+    record.node_paths = {}
+    for path in sorted(found, key=_natural):
+        node = found[path]
+        record.weights[path] = graph.value(node)
+        record.names[path] = graph.name(node) or path
+        record.node_paths[node] = path
+
+
+def _read_optimizer(graph, node, record):
+    children = graph.children(node)
+    wrapper_scalars = {}
+    if "loss_scale" in children:
+        ls = graph.children(children["loss_scale"])
+        for name in _LOSS_SCALE:
+            if name in ls:
+                wrapper_scalars[name] = _scalar(graph.value(ls[name]))
+    for inner in ("base_optimizer", "inner_optimizer", "_optimizer"):
+        if inner in children and "_iterations" not in children and (
+                "iter" not in children):
+            node = children[inner]
+            children = graph.children(node)
+    if "_iterations" in children:
+        state = _read_new(graph, node, children, record)
+    elif "iter" in children or graph.nodes[node]["slot_variables"]:
+        state = _read_v2(graph, node, children, record)
+    else:
+        raise LegacyFormatError(
+            f"{graph.path}: the optimizer node has neither `_iterations` "
+            "(Keras 2 optimizer) nor `iter` (OptimizerV2). Its children: "
+            f"{sorted(children)}", path=graph.path, key="optimizer")
+    state.hyperparameters.update(wrapper_scalars)
+    return state
+
+
+def _scalar(value):
+    if value is None:
+        return None
+    value = np.asarray(value)
+    return value.item() if value.size == 1 else value
+
+
+def _read_new(graph, node, children, record):
+    state = OptimizerState(kind="new")
+    state.iterations = int(_scalar(graph.value(children["_iterations"])))
+    for key in ("_learning_rate", "_current_learning_rate"):
+        if key in children and state.learning_rate is None:
+            state.learning_rate = _scalar(graph.value(children[key]))
+    if "_u_product" in children:
+        state.hyperparameters["_u_product"] = _scalar(
+            graph.value(children["_u_product"]))
+    queues = {}  # per slot: colliding names are taken in model order
+    prefix = None
+    for attr in sorted(children, key=_natural):
+        if attr not in _NEW_LISTS:
+            continue
+        members = graph.children(children[attr])
+        for index in sorted((k for k in members if k.isdigit()), key=int):
+            var = members[index]
+            full = graph.name(var) or ""
+            value = graph.value(var)
+            slot, model_name, head = _split_new(full)
+            if slot is None:
+                raise LegacyFormatError(
+                    f"{graph.path}: cannot tell the slot of optimizer "
+                    f"variable {full!r} in {attr}.", path=graph.path,
+                    key=full)
+            prefix = prefix or head
+            if value.dtype.kind in "iu" and value.ndim == 0:
+                continue  # Adafactor's rank < 2 placeholders
+            queue = queues.setdefault(slot, _weights_by_name(record))
+            weight = _take(queue, model_name, value, graph.path, full)
+            state.slots.append(Slot(slot, weight, value, full))
+    state.class_name = prefix
+    return state
+
+
+def _split_new(full):
+    """``Adam/m/d1/kernel`` -> (``m``, ``d1/kernel``, ``Adam``)."""
+    parts = full.split("/")
+    for i, part in enumerate(parts[:-1]):
+        if part in _SLOT_NAMES:
+            return part, "/".join(parts[i + 1:]), "/".join(parts[:i]) or None
+    return None, None, None
+
+
+def _weights_by_name(record):
+    """Keras 2 variable name -> weight keys in model order (a queue each:
+    colliding names are taken in order)."""
+    out = {}
+    for key in record.weights:
+        out.setdefault(record.names.get(key, key), []).append(key)
+    return {k: list(v) for k, v in out.items()}
+
+
+def _take(by_name, name, value, path, what):
+    queue = by_name.get(name)
+    if queue:
+        for i, key in enumerate(queue):
+            if key is not None:
+                queue[i] = None
+                return key
+    # Names may carry an outer scope the weights lack (or the reverse).
+    for known, queue in by_name.items():
+        if known.endswith("/" + name) or name.endswith("/" + known):
+            for i, key in enumerate(queue):
+                if key is not None:
+                    queue[i] = None
+                    return key
+    raise LegacyFormatError(
+        f"{path}: optimizer state {what!r} belongs to model variable "
+        f"{name!r}, which the artifact's model does not have (or has fewer "
+        "times). Model variables: "
+        f"{sorted(by_name)[:8]}", path=path, key=what)
+
+
+def _read_v2(graph, node, children, record):
+    state = OptimizerState(kind="legacy")
+    state.iterations = int(_scalar(graph.value(children["iter"])))
+    for name, child in children.items():
+        if name == "iter" or graph.attribute(child) is None:
+            continue
+        state.hyperparameters[name] = _scalar(graph.value(child))
+    state.learning_rate = state.hyperparameters.pop("learning_rate", None)
+    paths = record.node_paths
+    for original, slot, slot_node in graph.nodes[node]["slot_variables"]:
+        if original not in paths:
+            raise LegacyFormatError(
+                f"{graph.path}: slot {slot!r} belongs to object {original}, "
+                "which is not a model variable.", path=graph.path, key=slot)
+        full = graph.name(slot_node) or slot
+        state.slots.append(
+            Slot(slot, paths[original], graph.value(slot_node), full))
+    prefixes = {s.name.split("/")[0] for s in state.slots if "/" in s.name}
+    if len(prefixes) == 1:
+        state.class_name = prefixes.pop()
+    return state
+
+
+# ---------------------------------------------------------------------------
+# SavedModel
+# ---------------------------------------------------------------------------
+
+
+def read_savedmodel(directory):
+    """Read a tf.keras SavedModel directory: ``keras_metadata.pb`` (model
+    and training config) and ``variables/`` (every variable, the optimizer
+    state included)."""
+    from keras_ema_opt.savedmodel import wire
+
+    record = LegacyRecord(path=str(directory), format="savedmodel")
+    metadata = os.path.join(directory, "keras_metadata.pb")
+    if os.path.exists(metadata):
+        with open(metadata, "rb") as f:
+            nodes = wire.parse_saved_metadata(f.read())
+        root = next((n for n in nodes if n["node_path"] == "root"), None)
+        if root is not None:
+            meta = _json(root["metadata"], metadata, "root")
+            record.keras_version = meta.get("keras_version")
+            config = meta.get("model_config")
+            if config is None and "class_name" in meta:
+                config = {"class_name": meta["class_name"],
+                          "config": meta.get("config")}
+            record.model_config = config
+            record.training_config = meta.get("training_config")
+    else:
+        record.warnings.append(
+            "No keras_metadata.pb: the model config is unknown (pass a "
+            "model builder).")
+    prefix = os.path.join(directory, "variables", "variables")
+    read_checkpoint(prefix, _record=record)
+    _attach_config(record)
+    return record
+
+
+def _tuples(obj):
+    # Keras 2 metadata writes tuples as {"class_name": "__tuple__", ...}.
+    if obj.get("class_name") == "__tuple__" and "items" in obj:
+        return list(obj["items"])
+    return obj
+
+
+def _json(text, path, key):
+    try:
+        return json.loads(text, object_hook=_tuples)
+    except (TypeError, ValueError) as e:
+        raise LegacyFormatError(
+            f"{path}: the metadata of {key!r} is not JSON ({e}).", path=path,
+            key=key) from e
+
+
+def _attach_config(record):
+    opt = record.optimizer
+    training = record.training_config
+    if opt is None or not isinstance(training, dict):
+        return
+    config = training.get("optimizer_config")
+    if isinstance(config, dict):
+        opt.config = config
+        name = str(config.get("class_name", "")).split(">")[-1]
+        opt.class_name = name or opt.class_name
+
+
+# ---------------------------------------------------------------------------
+# h5
+# ---------------------------------------------------------------------------
+
+
+def read_h5(path):
+    """Read a full Keras 2 ``.h5`` file (model config, training config,
+    ``model_weights`` and ``optimizer_weights``)."""
+    import h5py
+
+    record = LegacyRecord(path=str(path), format="h5")
+    try:
+        with h5py.File(path, "r") as f:
+            _read_h5(f, record, path)
+    except (OSError, KeyError, ValueError, TypeError) as e:
+        if isinstance(e, LegacyFormatError):
+            raise
+        raise LegacyFormatError(
+            f"{path}: cannot read it as a Keras 2 h5 file ({e}).",
+            path=path) from e
+    return record
+
+
+def _attr(obj, name):
+    value = obj.attrs.get(name)
+    if isinstance(value, bytes):
+        value = value.decode("utf-8")
+    return value
+
+
+def _names(obj, attr="weight_names"):
+    return [n.decode("utf-8") if isinstance(n, bytes) else str(n)
+            for n in obj.attrs.get(attr, [])]
+
+
+def _read_h5(f, record, path):
+    record.keras_version = _attr(f, "keras_version")
+    config = _attr(f, "model_config")
+    if config is not None:
+        record.model_config = _json(config, path, "model_config")
+    training = _attr(f, "training_config")
+    if training is not None:
+        record.training_config = _json(training, path, "training_config")
+    weights = f["model_weights"] if "model_weights" in f else f
+    for layer in _names(weights, "layer_names"):
+        group = weights[layer]
+        for name in _names(group):
+            if name not in group:
+                raise LegacyFormatError(
+                    f"{path}: weight {name!r} of layer {layer!r} is listed "
+                    "but missing.", path=path, key=name)
+            key = f"{layer}/{_strip(name)}"
+            if key in record.weights:
+                key = f"{key}#{len(record.weights)}"
+            record.weights[key] = np.asarray(group[name])
+            record.names[key] = _strip(name)
+    if "optimizer_weights" not in f:
+        record.warnings.append("The h5 file holds no optimizer state.")
+        return
+    group = f["optimizer_weights"]
+    names = _names(group)
+    values = []
+    for name in names:
+        if name not in group:
+            raise LegacyFormatError(
+                f"{path}: optimizer weight {name!r} is listed but missing.",
+                path=path, key=name)
+        values.append((_strip(name), np.asarray(group[name])))
+    record.optimizer = _h5_optimizer(values, record, path)
+    _attach_config(record)
+
+
+def _h5_optimizer(values, record, path):
+    by_name = _weights_by_name_plain(record)
+    if any(n.split("/")[-1] == "iter" for n, _ in values):
+        state = OptimizerState(kind="legacy")
+    else:
+        state = OptimizerState(kind="new")
+    queues = {}
+    for name, value in values:
+        last = name.split("/")[-1]
+        if last in ("iter", "iteration"):
+            state.iterations = int(_scalar(value))
+            continue
+        if last == "momentum_cache":
+            state.hyperparameters["momentum_cache"] = _scalar(value)
+            continue
+        if state.kind == "legacy":
+            parts = name.split("/")
+            # <opt>/<var name>/<slot>, possibly under a LossScale `cond_1/`.
+            slot = parts[-1]
+            model_name = _longest_known(parts[:-1], by_name)
+        else:
+            slot, model_name, _ = _split_new(name)
+        if value.dtype.kind in "iu" and value.ndim == 0:
+            continue  # Adafactor placeholders
+        if slot is None or model_name is None:
+            raise LegacyFormatError(
+                f"{path}: cannot place optimizer weight {name!r} (no known "
+                "slot name or model variable in it).", path=path, key=name)
+        queue = queues.setdefault(slot, _weights_by_name(record))
+        weight = _take(queue, model_name, value, path, name)
+        state.slots.append(Slot(slot, weight, value, name))
+    record.warnings.append(
+        "h5 files do not store the learning-rate variable (the config value "
+        "is used)" + (" nor Nadam's u_product (recomputed from the "
+                      "iteration count)" if state.kind == "new" else ""))
+    return state
+
+
+def _weights_by_name_plain(record):
+    return _weights_by_name(record)
+
+
+def _longest_known(parts, by_name):
+    for start in range(len(parts)):
+        candidate = "/".join(parts[start:])
+        if candidate in by_name:
+            return candidate
+    return "/".join(parts[1:]) or None
+
+
+# ---------------------------------------------------------------------------
+# tf_keras .keras zip
+# ---------------------------------------------------------------------------
+
+
+def read_keras_zip(path):
+    """Read a tf_keras ``.keras`` file: the model only, with a warning
+    naming the optimizer state such files lack."""
+    import io
+
+    import h5py
+
+    record = LegacyRecord(path=str(path), format="keras_v2_zip")
+    try:
+        with zipfile.ZipFile(path) as archive:
+            config = _json(archive.read("config.json"), path, "config.json")
+            meta = {}
+            if "metadata.json" in archive.namelist():
+                meta = _json(archive.read("metadata.json"), path,
+                             "metadata.json")
+            blob = archive.read("model.weights.h5")
+    except (zipfile.BadZipFile, KeyError, OSError) as e:
+        raise LegacyFormatError(
+            f"{path}: not a readable .keras zip ({e}).", path=path) from e
+    record.keras_version = meta.get("keras_version")
+    record.model_config = {"class_name": config.get("class_name"),
+                           "config": config.get("config")}
+    record.training_config = config.get("compile_config")
+    with h5py.File(io.BytesIO(blob), "r") as f:
+        _collect_zip_weights(f, record)
+    record.warnings.append(
+        "tf_keras .keras files keep the new optimizer's variables by "
+        "position only and no state at all for OptimizerV2: the optimizer "
+        "state is not migrated from this format (use the SavedModel, h5 or "
+        "a checkpoint).")
+    return record
+
+
+def _collect_zip_weights(f, record):
+    def visit(name, obj):
+        if hasattr(obj, "shape") and "optimizer" not in name.split("/")[:1]:
+            record.weights[name] = np.asarray(obj)
+            record.names[name] = name
+    f.visititems(visit)
