@@ -23,6 +23,8 @@ import keras
 from keras_ema_opt import callbacks
 from keras_ema_opt import errors
 from keras_ema_opt import averaging
+from keras_ema_opt import savedmodel
+from keras_ema_opt.savedmodel import load_legacy
 from keras_ema_opt.averaging import EMA
 from keras_ema_opt.averaging import PowerEMA
 from keras_ema_opt.averaging import SWA
@@ -50,6 +52,8 @@ Optimizer = keras.saving.register_keras_serializable(package="keras_ema_opt")(
 __version__ = "0.1.0.dev0"
 
 __all__ = [
+    "load_legacy",
+    "savedmodel",
     "EMA",
     "PowerEMA",
     "SWA",

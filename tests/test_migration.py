@@ -126,3 +126,180 @@ def test_migrated_training_continues_like_tf_keras(artifacts, case, fmt):
                 to_numpy(model.optimizer.average_of(var)),
                 expected[f"average{i}"], rtol=1e-6, atol=1e-6,
                 err_msg=f"average of {var.path}")
+
+
+# ---------------------------------------------------------------------------
+# Without TensorFlow, the command line, bad input
+# ---------------------------------------------------------------------------
+
+NO_TF = r"""
+import sys
+sys.modules["tensorflow"] = None  # blocked: any import of it fails
+sys.modules["tf_keras"] = None
+import json, numpy as np, keras
+from keras_ema_opt.savedmodel import load_legacy
+folder, path = sys.argv[1], sys.argv[2]
+exp = np.load(folder + "/expected.npz")
+info = json.load(open(folder + "/info.json"))
+model = load_legacy(folder + "/" + path)
+for i in range(5):
+    model.train_on_batch(exp[f"x{i}"], exp[f"y{i}"])
+worst = 0.0
+for i, name in enumerate(info["weights"]):
+    name = name.split(":")[0]
+    var = [w for w in model.weights if w.path.endswith(name)][0]
+    got = keras.ops.convert_to_numpy(var)
+    worst = max(worst, float(np.max(np.abs(got - exp[f"after{i}"]))))
+print(json.dumps({"worst": worst,
+                  "tensorflow": sys.modules.get("tensorflow") is not None}))
+"""
+
+
+@pytest.mark.skipif(keras.backend.backend() == "tensorflow",
+                    reason="the TensorFlow backend needs TensorFlow")
+@pytest.mark.parametrize("fmt", ["savedmodel", "h5"])
+def test_migration_with_tensorflow_blocked(artifacts, fmt):
+    folder = os.path.join(artifacts, "adam_ema-conv")
+    out = subprocess.run(
+        [sys.executable, "-c", NO_TF, folder, FORMATS[fmt]],
+        capture_output=True, text=True, timeout=300,
+        env=dict(os.environ, KERAS_BACKEND=keras.backend.backend()))
+    assert out.returncode == 0, out.stderr[-2000:]
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result["tensorflow"] is False
+    assert result["worst"] < 2e-6
+
+
+def test_cli_migrate_writes_a_keras_file_that_resumes(artifacts, tmp_path,
+                                                       capsys):
+    from keras_ema_opt.cli import main
+
+    folder = os.path.join(artifacts, "rmsprop_ema-mlp")
+    dst = str(tmp_path / "new.keras")
+    assert main(["migrate", os.path.join(folder, "savedmodel"), dst]) == 0
+    assert "verifying" in capsys.readouterr().err
+    model = keras.saving.load_model(dst)
+    expected = np.load(os.path.join(folder, "expected.npz"))
+    with open(os.path.join(folder, "info.json")) as f:
+        info = json.load(f)
+    for i in range(5):
+        model.train_on_batch(expected[f"x{i}"], expected[f"y{i}"])
+    for i, name in enumerate(info["weights"]):
+        np.testing.assert_allclose(to_numpy(_find(model, name)),
+                                   expected[f"after{i}"], rtol=1e-6,
+                                   atol=1e-6)
+    assert sorted(os.listdir(tmp_path)) == ["new.keras"]
+
+
+def test_cli_inspect_json(artifacts, capsys):
+    from keras_ema_opt.cli import main
+
+    folder = os.path.join(artifacts, "L_adam-mlp")
+    assert main(["inspect", os.path.join(folder, "model.h5"), "--json"]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["format"] == "h5"
+    assert summary["optimizer"]["kind"] == "legacy"
+    assert summary["optimizer"]["iterations"] == 3
+    assert summary["optimizer"]["slots"]["d1/kernel"] == ["m", "v"]
+    assert summary["optimizer"]["class_name"] == "Adam"
+
+
+def _copy(src, dst):
+    import shutil
+
+    (shutil.copytree if os.path.isdir(src) else shutil.copy)(src, dst)
+    return str(dst)
+
+
+def _edit_h5(path, **attrs):
+    with h5py.File(path, "r+") as f:
+        for key, edit in attrs.items():
+            f.attrs[key] = json.dumps(edit(json.loads(f.attrs[key])))
+
+
+def _rename_class(old, new):
+    def edit(config):
+        text = json.dumps(config).replace(f'"{old}"', f'"{new}"')
+        return json.loads(text)
+    return edit
+
+
+def _bad_inputs(folder, tmp):
+    """name -> (path, expected error type, text the message names)."""
+    from keras_ema_opt import errors
+
+    out = {}
+    truncated = str(tmp / "truncated.h5")
+    with open(os.path.join(folder, "model.h5"), "rb") as f:
+        data = f.read()
+    with open(truncated, "wb") as f:
+        f.write(data[: len(data) // 3])
+    out["truncated h5"] = (truncated, errors.LegacyFormatError,
+                           "truncated.h5")
+    garbage = str(tmp / "garbage.h5")
+    with open(garbage, "wb") as f:
+        f.write(b"\x89HDF\r\n\x1a\n" + b"\x00" * 64)
+    out["corrupt h5"] = (garbage, errors.LegacyFormatError, "garbage.h5")
+    ckpt = _copy(os.path.join(folder, "ckpt"), tmp / "ckpt")
+    with open(os.path.join(ckpt, "ckpt.index"), "r+b") as f:
+        f.truncate(40)
+    out["truncated checkpoint index"] = (
+        os.path.join(ckpt, "ckpt"), errors.LegacyFormatError, "ckpt.index")
+    layer = _copy(os.path.join(folder, "model.h5"), tmp / "layer.h5")
+    _edit_h5(layer, model_config=_rename_class("Dense", "FancyDense"))
+    out["unknown layer class"] = (layer, errors.LegacyConfigError,
+                                  "FancyDense")
+    opt = _copy(os.path.join(folder, "model.h5"), tmp / "opt.h5")
+    _edit_h5(opt, training_config=_rename_class("Custom>Adam", "Custom>Adamus"))
+    out["unknown optimizer class"] = (opt, errors.LegacyConfigError,
+                                      "Adamus")
+    missing = _copy(os.path.join(folder, "model.h5"), tmp / "missing.h5")
+    with h5py.File(missing, "r+") as f:
+        del f["optimizer_weights"]["Adam"]["m"]["d1"]["kernel:0"]
+    out["missing optimizer variable"] = (missing, errors.LegacyFormatError,
+                                         "Adam/m/d1/kernel")
+    shape = _copy(os.path.join(folder, "model.h5"), tmp / "shape.h5")
+    _edit_h5(shape, model_config=lambda c: json.loads(
+        json.dumps(c).replace('"units": 5', '"units": 7')))
+    out["shape mismatch"] = (shape, errors.LegacyStateError, "d1/kernel")
+    lam = _copy(os.path.join(folder, "model.h5"), tmp / "lambda.h5")
+
+    def add_lambda(config):
+        config["config"]["layers"].append({
+            "class_name": "Lambda",
+            "config": {"name": "lam", "function": ["4wEAAAA=", None, None],
+                       "function_type": "lambda"}})
+        return config
+    _edit_h5(lam, model_config=add_lambda)
+    out["Lambda under safe_mode"] = (lam, errors.LegacyConfigError,
+                                     "safe_mode")
+    out["not an artifact"] = (str(tmp / "nothing.bin"),
+                              errors.LegacyFormatError, "nothing.bin")
+    with open(tmp / "nothing.bin", "wb") as f:
+        f.write(b"hello")
+    return out
+
+
+BAD = ["truncated h5", "corrupt h5", "truncated checkpoint index",
+       "unknown layer class", "unknown optimizer class",
+       "missing optimizer variable", "shape mismatch",
+       "Lambda under safe_mode", "not an artifact"]
+
+
+@pytest.mark.parametrize("name", BAD)
+def test_bad_input_is_a_typed_error_and_leaves_no_file(artifacts, tmp_path,
+                                                       name, capsys):
+    from keras_ema_opt.cli import main
+
+    src, error, text = _bad_inputs(
+        os.path.join(artifacts, "adam-mlp"), tmp_path)[name]
+    out = tmp_path / "out"
+    out.mkdir()
+    dst = str(out / "new.keras")
+    with pytest.raises(error, match=text.replace("(", r"\(")):
+        keras_ema_opt.savedmodel.migrate(src, dst)
+    assert os.listdir(out) == []
+    assert main(["migrate", src, dst]) == 1
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert error.__name__ in err
+    assert os.listdir(out) == []

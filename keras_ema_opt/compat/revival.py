@@ -410,9 +410,11 @@ class _RegisterAfterTensorFlow(importlib.abc.MetaPathFinder):
 
 
 def maybe_register():
-    """Register now if TensorFlow is imported, else right after it is."""
+    """Register now if TensorFlow is imported, else right after it is
+    (never where it is blocked: ``sys.modules["tensorflow"] = None``)."""
     if "tensorflow" in sys.modules:
-        register_savedmodel_revival()
+        if sys.modules["tensorflow"] is not None:
+            register_savedmodel_revival()
     elif importlib.util.find_spec("tensorflow") is not None and not any(
         isinstance(f, _RegisterAfterTensorFlow) for f in sys.meta_path
     ):

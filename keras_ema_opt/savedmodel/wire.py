@@ -1,0 +1,509 @@
+"""A minimal protobuf wire-format decoder and parsers for the few messages
+that Keras 2 artifacts store: ``TrackableObjectGraph`` (object checkpoints),
+``SavedModel`` (``saved_model.pb``) and ``SavedMetadata``
+(``keras_metadata.pb``).
+
+The parsers return plain Python dicts, lists and tuples and never import
+TensorFlow or protobuf. Every malformed input (truncation, invalid wire type,
+overlong varint, a known field with the wrong wire type, invalid UTF-8)
+raises :class:`keras_ema_opt.errors.LegacyFormatError`.
+
+Field numbers were checked against the ``_pb2`` descriptors of TensorFlow
+2.21 (``tensorflow/core/protobuf/trackable_object_graph.proto``,
+``saved_model.proto``, ``meta_graph.proto``, ``saved_object_graph.proto``,
+``tensor_bundle.proto``, ``tensor_shape.proto``) and tf_keras 2.21
+(``tf_keras/protobuf/saved_metadata.proto``).
+
+Semantics follow protobuf: for a singular scalar field the last occurrence
+wins; the occurrences of a singular message field are merged (their bytes
+concatenated and parsed as one message); repeated message fields keep each
+occurrence. Unknown fields are skipped.
+"""
+
+from keras_ema_opt.errors import LegacyFormatError
+
+VARINT = 0
+FIXED64 = 1
+LENGTH_DELIMITED = 2
+FIXED32 = 5
+
+_MASK64 = (1 << 64) - 1
+_MAX_VARINT_BYTES = 10
+
+
+def _error(message, path=None, key=None):
+    where = f"{path}: " if path is not None else ""
+    return LegacyFormatError(f"{where}{message}", path=path, key=key)
+
+
+def _as_bytes(data, path=None):
+    if isinstance(data, bytes):
+        return data
+    if isinstance(data, (bytearray, memoryview)):
+        return bytes(data)
+    raise _error(
+        f"expected serialized protobuf bytes, got {type(data).__name__}", path
+    )
+
+
+def read_varint(data, pos, end=None, max_bytes=_MAX_VARINT_BYTES, path=None):
+    """Decode a base-128 varint from ``data`` at ``pos``.
+
+    Args:
+        data: ``bytes``.
+        pos: Offset of the first byte.
+        end: Offset one past the last readable byte (default ``len(data)``).
+        max_bytes: At most this many bytes (10 for 64-bit, 5 for 32-bit
+            varints).
+        path: File name used in error messages.
+
+    Returns:
+        ``(value, new_pos)``; ``value`` is an unsigned int that fits in
+        ``7 * max_bytes`` bits, masked to 64 bits.
+
+    Raises:
+        LegacyFormatError: Truncated or overlong varint.
+    """
+    if end is None:
+        end = len(data)
+    result = 0
+    shift = 0
+    for i in range(max_bytes):
+        if pos >= end:
+            raise _error("truncated varint", path)
+        b = data[pos]
+        pos += 1
+        result |= (b & 0x7F) << shift
+        if not b & 0x80:
+            if max_bytes == _MAX_VARINT_BYTES and i == 9 and b > 1:
+                raise _error("varint overflows 64 bits", path)
+            if max_bytes < _MAX_VARINT_BYTES and result >> 32:
+                raise _error("varint32 overflows 32 bits", path)
+            return result & _MASK64, pos
+        shift += 7
+    raise _error(f"overlong varint (more than {max_bytes} bytes)", path)
+
+
+def fields(data, path=None):
+    """Split one serialized protobuf message into its fields.
+
+    Args:
+        data: The serialized message (``bytes``, ``bytearray`` or
+            ``memoryview``).
+        path: Optional file name used in error messages.
+
+    Returns:
+        A list of ``(field_number, wire_type, value)`` tuples in wire order.
+        ``value`` is an ``int`` for varints (wire type 0, unsigned, 64-bit),
+        ``bytes`` of length 8 for fixed64 (1), ``bytes`` for
+        length-delimited fields (2) and ``bytes`` of length 4 for fixed32
+        (5).
+
+    Raises:
+        LegacyFormatError: Truncated data, an overlong varint, field number
+            0, or a wire type other than 0, 1, 2 or 5 (groups included).
+    """
+    data = _as_bytes(data, path)
+    out = []
+    pos = 0
+    end = len(data)
+    while pos < end:  # every iteration consumes at least one byte
+        tag, pos = read_varint(data, pos, end, path=path)
+        number = tag >> 3
+        wire_type = tag & 7
+        if number == 0 or number > 0x1FFFFFFF:
+            raise _error(f"invalid field number {number}", path)
+        if wire_type == VARINT:
+            value, pos = read_varint(data, pos, end, path=path)
+        elif wire_type == FIXED64:
+            if pos + 8 > end:
+                raise _error(f"truncated fixed64 field {number}", path)
+            value = data[pos : pos + 8]
+            pos += 8
+        elif wire_type == LENGTH_DELIMITED:
+            length, pos = read_varint(data, pos, end, path=path)
+            if length > end - pos:
+                raise _error(
+                    f"truncated length-delimited field {number} "
+                    f"({length} bytes, {end - pos} left)",
+                    path,
+                )
+            value = data[pos : pos + length]
+            pos += length
+        elif wire_type == FIXED32:
+            if pos + 4 > end:
+                raise _error(f"truncated fixed32 field {number}", path)
+            value = data[pos : pos + 4]
+            pos += 4
+        else:
+            raise _error(
+                f"unsupported wire type {wire_type} for field {number}", path
+            )
+        out.append((number, wire_type, value))
+    return out
+
+
+# ---------------------------------------------------------------------------
+# Typed accessors.
+
+
+def _expect(number, wire_type, expected, message, path):
+    if wire_type != expected:
+        raise _error(
+            f"{message} field {number} has wire type {wire_type}, "
+            f"expected {expected}",
+            path,
+        )
+
+
+def _int32(value):
+    value &= 0xFFFFFFFF
+    return value - (1 << 32) if value & 0x80000000 else value
+
+
+def _int64(value):
+    value &= _MASK64
+    return value - (1 << 64) if value & (1 << 63) else value
+
+
+def _string(value, what, path):
+    try:
+        return value.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise _error(f"{what} is not valid UTF-8 ({e})", path) from None
+
+
+def _message_fields(data, spec, message, path=None):
+    """Parse ``data`` by ``spec``: {number: (name, kind)}.
+
+    ``kind`` is one of 'int32', 'int64', 'uint64', 'bool', 'string',
+    'bytes', 'fixed32', 'message' (singular, occurrences merged) or
+    'repeated' (repeated message, a list of bytes). Returns a dict with an
+    entry for each field present.
+    """
+    result = {}
+    for number, wire_type, value in fields(data, path):
+        entry = spec.get(number)
+        if entry is None:
+            continue
+        name, kind = entry
+        if kind in ("int32", "int64", "uint64", "bool"):
+            _expect(number, wire_type, VARINT, message, path)
+            if kind == "int32":
+                value = _int32(value)
+            elif kind == "int64":
+                value = _int64(value)
+            elif kind == "bool":
+                value = value != 0
+            result[name] = value
+        elif kind == "fixed32":
+            _expect(number, wire_type, FIXED32, message, path)
+            result[name] = int.from_bytes(value, "little")
+        elif kind == "string":
+            _expect(number, wire_type, LENGTH_DELIMITED, message, path)
+            result[name] = _string(value, f"{message}.{name}", path)
+        elif kind == "bytes":
+            _expect(number, wire_type, LENGTH_DELIMITED, message, path)
+            result[name] = value
+        elif kind == "message":
+            _expect(number, wire_type, LENGTH_DELIMITED, message, path)
+            result[name] = result.get(name, b"") + value
+        elif kind == "repeated":
+            _expect(number, wire_type, LENGTH_DELIMITED, message, path)
+            result.setdefault(name, []).append(value)
+        else:  # pragma: no cover - programming error
+            raise AssertionError(kind)
+    return result
+
+
+_OBJECT_REFERENCE = {1: ("node_id", "int32"), 2: ("local_name", "string")}
+_SLOT_VARIABLE_REFERENCE = {
+    1: ("original_variable_node_id", "int32"),
+    2: ("slot_name", "string"),
+    3: ("slot_variable_node_id", "int32"),
+}
+
+
+def _children(raw, path):
+    out = []
+    for item in raw.get("children", ()):
+        ref = _message_fields(item, _OBJECT_REFERENCE, "ObjectReference", path)
+        out.append((ref.get("node_id", 0), ref.get("local_name", "")))
+    return out
+
+
+def _slot_variables(raw, path):
+    out = []
+    for item in raw.get("slot_variables", ()):
+        ref = _message_fields(
+            item, _SLOT_VARIABLE_REFERENCE, "SlotVariableReference", path
+        )
+        out.append(
+            (
+                ref.get("original_variable_node_id", 0),
+                ref.get("slot_name", ""),
+                ref.get("slot_variable_node_id", 0),
+            )
+        )
+    return out
+
+
+# ---------------------------------------------------------------------------
+# TrackableObjectGraph (the _CHECKPOINTABLE_OBJECT_GRAPH tensor).
+
+_TRACKABLE_OBJECT_GRAPH = {1: ("nodes", "repeated")}
+_TRACKABLE_OBJECT = {
+    1: ("children", "repeated"),
+    2: ("attributes", "repeated"),
+    3: ("slot_variables", "repeated"),
+}
+_SERIALIZED_TENSOR = {
+    1: ("name", "string"),
+    2: ("full_name", "string"),
+    3: ("checkpoint_key", "string"),
+}
+
+
+def parse_trackable_object_graph(data, path=None):
+    """Parse a serialized ``tensorflow.TrackableObjectGraph``.
+
+    This is the value of the ``_CHECKPOINTABLE_OBJECT_GRAPH`` tensor of an
+    object-based checkpoint.
+
+    Args:
+        data: The serialized message.
+        path: Optional file name used in error messages.
+
+    Returns:
+        A list with one dict per node, indexed by node id::
+
+            {"children": [(node_id, local_name), ...],
+             "attributes": [{"name": str, "full_name": str,
+                             "checkpoint_key": str}, ...],
+             "slot_variables": [(original_variable_node_id, slot_name,
+                                 slot_variable_node_id), ...]}
+
+    Raises:
+        LegacyFormatError: The bytes are not a valid message.
+    """
+    graph = _message_fields(
+        data, _TRACKABLE_OBJECT_GRAPH, "TrackableObjectGraph", path
+    )
+    nodes = []
+    for node_bytes in graph.get("nodes", ()):
+        raw = _message_fields(node_bytes, _TRACKABLE_OBJECT, "TrackableObject", path)
+        attributes = []
+        for item in raw.get("attributes", ()):
+            t = _message_fields(item, _SERIALIZED_TENSOR, "SerializedTensor", path)
+            attributes.append(
+                {
+                    "name": t.get("name", ""),
+                    "full_name": t.get("full_name", ""),
+                    "checkpoint_key": t.get("checkpoint_key", ""),
+                }
+            )
+        nodes.append(
+            {
+                "children": _children(raw, path),
+                "attributes": attributes,
+                "slot_variables": _slot_variables(raw, path),
+            }
+        )
+    return nodes
+
+
+# ---------------------------------------------------------------------------
+# SavedModel (saved_model.pb).
+
+_SAVED_MODEL = {2: ("meta_graphs", "repeated")}
+_META_GRAPH_DEF = {7: ("object_graph_def", "message")}
+_SAVED_OBJECT_GRAPH = {1: ("nodes", "repeated")}
+# The oneof ``kind`` of SavedObject, by field number.
+_SAVED_OBJECT_KINDS = {
+    4: "user_object",
+    5: "asset",
+    6: "function",
+    7: "variable",
+    8: "bare_concrete_function",
+    9: "constant",
+    10: "resource",
+    12: "captured_tensor",
+}
+_SAVED_OBJECT = {
+    1: ("children", "repeated"),
+    3: ("slot_variables", "repeated"),
+    4: ("user_object", "message"),
+    7: ("variable", "message"),
+}
+_SAVED_USER_OBJECT = {1: ("identifier", "string"), 3: ("metadata", "string")}
+_SAVED_VARIABLE = {
+    1: ("dtype", "int32"),
+    2: ("shape", "message"),
+    3: ("trainable", "bool"),
+    4: ("synchronization", "int32"),
+    5: ("aggregation", "int32"),
+    6: ("name", "string"),
+    7: ("device", "string"),
+}
+_TENSOR_SHAPE = {2: ("dim", "repeated"), 3: ("unknown_rank", "bool")}
+_TENSOR_SHAPE_DIM = {1: ("size", "int64")}
+
+
+def parse_tensor_shape(data, path=None):
+    """Parse a serialized ``tensorflow.TensorShapeProto``.
+
+    Args:
+        data: The serialized message.
+        path: Optional file name used in error messages.
+
+    Returns:
+        A tuple of ints (``-1`` for an unknown dimension), or ``None`` when
+        the rank is unknown.
+
+    Raises:
+        LegacyFormatError: The bytes are not a valid message.
+    """
+    raw = _message_fields(data, _TENSOR_SHAPE, "TensorShapeProto", path)
+    if raw.get("unknown_rank", False):
+        return None
+    dims = []
+    for item in raw.get("dim", ()):
+        dim = _message_fields(item, _TENSOR_SHAPE_DIM, "TensorShapeProto.Dim", path)
+        dims.append(dim.get("size", 0))
+    return tuple(dims)
+
+
+def _object_kind(node_bytes, path):
+    kind = None
+    for number, _, _ in fields(node_bytes, path):
+        if number in _SAVED_OBJECT_KINDS:
+            kind = _SAVED_OBJECT_KINDS[number]  # oneof: the last one wins
+    return kind
+
+
+def parse_saved_model(data, path=None):
+    """Parse the object graph of a serialized ``tensorflow.SavedModel``.
+
+    Reads ``SavedModel.meta_graphs[0].object_graph_def`` (the
+    ``SavedObjectGraph``) of ``saved_model.pb``. Node ids are the same as
+    in the SavedModel's ``variables/variables`` checkpoint.
+
+    Args:
+        data: The contents of ``saved_model.pb``.
+        path: Optional file name used in error messages.
+
+    Returns:
+        A list with one dict per node, indexed by node id::
+
+            {"children": [(node_id, local_name), ...],
+             "slot_variables": [(original_variable_node_id, slot_name,
+                                 slot_variable_node_id), ...],
+             "kind": "user_object" | "variable" | "function" | ... | None,
+             "identifier": str or None,   # user_object.identifier
+             "metadata": str or None,     # user_object.metadata
+             "variable": {"name": str, "dtype": int (DataType enum),
+                          "shape": tuple or None, "trainable": bool,
+                          "synchronization": int, "aggregation": int,
+                          "device": str} or None}
+
+        ``identifier`` and ``metadata`` are ``None`` unless the node is a
+        user object; ``variable`` is ``None`` unless it is a variable.
+
+    Raises:
+        LegacyFormatError: The bytes are not a valid message, or there is
+            no meta graph or no object graph.
+    """
+    saved_model = _message_fields(data, _SAVED_MODEL, "SavedModel", path)
+    meta_graphs = saved_model.get("meta_graphs", ())
+    if not meta_graphs:
+        raise _error("SavedModel has no meta graph", path)
+    meta_graph = _message_fields(
+        meta_graphs[0], _META_GRAPH_DEF, "MetaGraphDef", path
+    )
+    if "object_graph_def" not in meta_graph:
+        raise _error("SavedModel meta graph has no object graph", path)
+    graph = _message_fields(
+        meta_graph["object_graph_def"], _SAVED_OBJECT_GRAPH, "SavedObjectGraph", path
+    )
+    nodes = []
+    for node_bytes in graph.get("nodes", ()):
+        raw = _message_fields(node_bytes, _SAVED_OBJECT, "SavedObject", path)
+        kind = _object_kind(node_bytes, path)
+        identifier = metadata = None
+        if "user_object" in raw:
+            user = _message_fields(
+                raw["user_object"], _SAVED_USER_OBJECT, "SavedUserObject", path
+            )
+            identifier = user.get("identifier", "")
+            metadata = user.get("metadata", "")
+        variable = None
+        if "variable" in raw:
+            var = _message_fields(
+                raw["variable"], _SAVED_VARIABLE, "SavedVariable", path
+            )
+            shape = var.get("shape")
+            variable = {
+                "name": var.get("name", ""),
+                "dtype": var.get("dtype", 0),
+                "shape": () if shape is None else parse_tensor_shape(shape, path),
+                "trainable": var.get("trainable", False),
+                "synchronization": var.get("synchronization", 0),
+                "aggregation": var.get("aggregation", 0),
+                "device": var.get("device", ""),
+            }
+        nodes.append(
+            {
+                "children": _children(raw, path),
+                "slot_variables": _slot_variables(raw, path),
+                "kind": kind,
+                "identifier": identifier,
+                "metadata": metadata,
+                "variable": variable,
+            }
+        )
+    return nodes
+
+
+# ---------------------------------------------------------------------------
+# SavedMetadata (keras_metadata.pb).
+
+_SAVED_METADATA = {1: ("nodes", "repeated")}
+_METADATA_OBJECT = {
+    2: ("node_id", "int32"),
+    3: ("node_path", "string"),
+    4: ("identifier", "string"),
+    5: ("metadata", "string"),
+}
+
+
+def parse_saved_metadata(data, path=None):
+    """Parse a serialized tf_keras ``SavedMetadata`` (``keras_metadata.pb``).
+
+    Args:
+        data: The contents of ``keras_metadata.pb``.
+        path: Optional file name used in error messages.
+
+    Returns:
+        A list of dicts in file order::
+
+            {"node_id": int, "node_path": str, "identifier": str,
+             "metadata": str}
+
+        ``metadata`` is the JSON string as stored (not decoded).
+
+    Raises:
+        LegacyFormatError: The bytes are not a valid message.
+    """
+    raw = _message_fields(data, _SAVED_METADATA, "SavedMetadata", path)
+    out = []
+    for item in raw.get("nodes", ()):
+        obj = _message_fields(item, _METADATA_OBJECT, "SavedObject", path)
+        out.append(
+            {
+                "node_id": obj.get("node_id", 0),
+                "node_path": obj.get("node_path", ""),
+                "identifier": obj.get("identifier", ""),
+                "metadata": obj.get("metadata", ""),
+            }
+        )
+    return out
