@@ -10,11 +10,24 @@ backend. Layouts and rules: ``docs/migration.md``.
 Example:
 
 ```python
+import os
+import tempfile
+
+import numpy as np
+import tf_keras  # Keras 2, only to make an artifact for this example
+
 import keras_ema_opt
 
-model = keras_ema_opt.load_legacy("old_savedmodel_dir/")   # compiled
-model.fit(x, y)                                            # resumes
-record = keras_ema_opt.savedmodel.inspect("old_model.h5")  # plain data
+old = tf_keras.Sequential([tf_keras.Input((3,)), tf_keras.layers.Dense(2)])
+old.compile(optimizer=tf_keras.optimizers.Adam(use_ema=True), loss="mse")
+old.train_on_batch(np.ones((4, 3)), np.ones((4, 2)))
+path = os.path.join(tempfile.mkdtemp(), "old_model.h5")
+old.save(path)
+
+record = keras_ema_opt.savedmodel.inspect(path)     # plain numpy data
+assert record.optimizer.iterations == 1
+model = keras_ema_opt.load_legacy(path)             # compiled, with state
+model.train_on_batch(np.ones((4, 3)), np.ones((4, 2)))  # resumes
 ```
 """
 
@@ -76,7 +89,9 @@ def load_legacy(path, custom_objects=None, safe_mode=True, model=None):
         safe_mode: Refuse Lambda layers (marshalled bytecode), as Keras 3
             does; ``False`` to load them from a trusted file.
         model: A Keras 3 model (or a function returning one) to use instead
-            of the artifact's config: required for bare checkpoints.
+            of the artifact's config: required for bare checkpoints. If it
+            is compiled, its optimizer receives the state (a bare
+            checkpoint records no optimizer config).
 
     Returns:
         The model, compiled with the migrated optimizer (every slot, the
@@ -85,6 +100,30 @@ def load_legacy(path, custom_objects=None, safe_mode=True, model=None):
     Raises:
         LegacyFormatError, LegacyConfigError, LegacyStateError: naming the
         file, key, class or variable.
+
+    Example:
+
+    ```python
+    import os
+    import tempfile
+
+    import numpy as np
+    import tf_keras  # Keras 2, only to make an artifact for this example
+
+    import keras_ema_opt
+
+    old = tf_keras.Sequential([tf_keras.Input((3,)),
+                               tf_keras.layers.Dense(2)])
+    old.compile(optimizer=tf_keras.optimizers.legacy.SGD(0.1, momentum=0.9),
+                loss="mse")
+    old.train_on_batch(np.ones((4, 3)), np.ones((4, 2)))
+    folder = os.path.join(tempfile.mkdtemp(), "old_savedmodel")
+    old.save(folder, save_format="tf")
+
+    model = keras_ema_opt.load_legacy(folder)
+    assert int(model.optimizer.iterations) == 1
+    model.train_on_batch(np.ones((4, 3)), np.ones((4, 2)))
+    ```
     """
     return _load(path, custom_objects, safe_mode, model)[0]
 
