@@ -50,8 +50,6 @@ def _demo(args):
 
 def _load_attr(spec, what):
     """``module:function`` -> the object, for ``--model``."""
-    import importlib
-
     module, _, name = spec.partition(":")
     if not module or not name:
         raise ValueError(
@@ -62,8 +60,6 @@ def _load_attr(spec, what):
 def _custom_objects(spec):
     """``--custom-objects module``: the module's public classes and
     functions by name, or its ``CUSTOM_OBJECTS`` dict when it has one."""
-    import importlib
-
     if not spec:
         return None
     module = importlib.import_module(spec)
@@ -89,9 +85,7 @@ def _migrate(args):
                 args.custom_objects), safe_mode=not args.unsafe,
             model=model, verify=not args.no_verify, progress=say)
     except Exception as e:  # one line, non-zero exit; typed errors named
-        print(f"keras-ema-opt migrate: error: {type(e).__name__}: "
-              f"{str(e).splitlines()[0] if str(e) else ''}", file=sys.stderr)
-        return 1
+        return _report("migrate", e)
     import keras
 
     optimizer = model_.optimizer
@@ -101,15 +95,21 @@ def _migrate(args):
     return 0
 
 
+def _report(command, error):
+    """One line on stderr naming the error; the exit code 1."""
+    text = str(error).splitlines()[0] if str(error) else ""
+    print(f"keras-ema-opt {command}: error: {type(error).__name__}: {text}",
+          file=sys.stderr)
+    return 1
+
+
 def _inspect(args):
     from keras_ema_opt import savedmodel
 
     try:
         summary = savedmodel.inspect(args.src).summary()
     except Exception as e:
-        print(f"keras-ema-opt inspect: error: {type(e).__name__}: "
-              f"{str(e).splitlines()[0] if str(e) else ''}", file=sys.stderr)
-        return 1
+        return _report("inspect", e)
     if args.json:
         print(json.dumps(summary, indent=2))
         return 0

@@ -37,3 +37,30 @@ def _fresh_keras_state():
 
 def to_numpy(x):
     return np.asarray(keras.ops.convert_to_numpy(x))
+
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def run_python(*args, backend=None, timeout=240, **env):
+    """Run ``python *args`` from the repository root (a script path, or
+    ``"-c", code``) with ``env`` added to the environment; assert it
+    succeeded and return the finished process."""
+    import subprocess
+    import sys
+
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", **env)
+    if backend is not None:
+        env["KERAS_BACKEND"] = backend
+    proc = subprocess.run([sys.executable, *map(str, args)], env=env,
+                          cwd=ROOT, capture_output=True, text=True,
+                          timeout=timeout)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc
+
+
+def last_json(proc):
+    """The JSON object a script printed on its last line."""
+    import json
+
+    return json.loads(proc.stdout.strip().splitlines()[-1])

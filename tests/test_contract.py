@@ -1,7 +1,6 @@
 """The Keras 2 optimizer contract, rule by rule, with each error's text."""
 
 import re
-import warnings
 
 import keras
 import numpy as np

@@ -3,25 +3,18 @@ runs: tf.distribute MirroredStrategy on two logical CPUs (tf_keras beside it
 as the oracle) and two torch.distributed gloo processes on localhost."""
 
 import json
-import os
 import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 from conftest import only_on
+from conftest import run_python
 
 SCRIPTS = Path(__file__).parent / "scripts"
 
 
 def _run(script, *args, backend):
-    env = dict(os.environ, KERAS_BACKEND=backend, TF_CPP_MIN_LOG_LEVEL="3")
-    proc = subprocess.run(
-        [sys.executable, str(SCRIPTS / script), *args],
-        capture_output=True, text=True, timeout=240, env=env,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    proc = run_python(SCRIPTS / script, *args, backend=backend)
     return [json.loads(line) for line in proc.stdout.splitlines()
             if line.startswith("{")]
 

@@ -6,6 +6,7 @@ import re
 import keras
 import numpy as np
 import pytest
+from conftest import only_on
 from conftest import to_numpy
 
 import keras_ema_opt
@@ -139,8 +140,7 @@ def test_unknown_variable_error_keeps_keras2_advice():
     assert advice in ours
 
 
-@pytest.mark.skipif(keras.backend.backend() != "tensorflow",
-                    reason="tf.IndexedSlices are TensorFlow gradients")
+@only_on("tensorflow")  # tf.IndexedSlices are TensorFlow gradients
 @pytest.mark.parametrize("name", ["SGD", "Adam"])
 def test_sparse_duplicates_equal_tf_keras(name):
     table = np.arange(12, dtype="float32").reshape(4, 3)

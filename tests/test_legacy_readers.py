@@ -7,8 +7,6 @@ import hashlib
 import json
 import os
 import shutil
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -19,8 +17,9 @@ from keras_ema_opt.errors import LegacyFormatError  # noqa: E402
 from keras_ema_opt.savedmodel import bundle  # noqa: E402
 from keras_ema_opt.savedmodel import wire  # noqa: E402
 from keras_ema_opt.savedmodel.bundle import BundleReader  # noqa: E402
+from conftest import last_json  # noqa: E402
+from conftest import run_python  # noqa: E402
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 # ---------------------------------------------------------------------------
@@ -187,8 +186,7 @@ def _tf_digest(tf_value, np_dtype):
 
 
 def test_every_tensor_matches_tensorflow(artifacts, prefix_name):
-    which = prefix_name
-    prefix = artifacts[which]
+    prefix = artifacts[prefix_name]
     tf_reader, tf_dtypes, tf_shapes = _tf_values(prefix)
     reader = BundleReader(prefix)
     assert reader.keys() == sorted(tf_shapes)
@@ -297,10 +295,9 @@ def _pb_slots(slots):
 
 
 def test_object_graph_matches_protobuf(artifacts, prefix_name):
-    which = prefix_name
     from tensorflow.core.protobuf import trackable_object_graph_pb2
 
-    tf_reader, _, _ = _tf_values(artifacts[which])
+    tf_reader, _, _ = _tf_values(artifacts[prefix_name])
     data = tf_reader.get_tensor("_CHECKPOINTABLE_OBJECT_GRAPH")
     graph = trackable_object_graph_pb2.TrackableObjectGraph.FromString(data)
     expected = [
@@ -314,12 +311,12 @@ def test_object_graph_matches_protobuf(artifacts, prefix_name):
         }
         for n in graph.nodes
     ]
-    nodes = BundleReader(artifacts[which]).object_graph()
+    nodes = BundleReader(artifacts[prefix_name]).object_graph()
     assert nodes == expected
     assert wire.parse_trackable_object_graph(data) == expected
-    if which.startswith("legacy"):
+    if prefix_name.startswith("legacy"):
         assert any(n["slot_variables"] for n in nodes)
-    if which.endswith("ckpt"):
+    if prefix_name.endswith("ckpt"):
         names = [name for _, name in nodes[0]["children"]]
         assert {"model", "optimizer", "save_counter"} <= set(names)
 
@@ -574,7 +571,6 @@ sys.modules["tf_keras"] = None
 import numpy as np
 from keras_ema_opt.savedmodel.bundle import BundleReader
 from keras_ema_opt.savedmodel import wire
-sys.path.insert(0, {os.path.dirname(os.path.abspath(__file__))!r})
 
 def digest(value):
     if value.dtype == object:
@@ -591,17 +587,7 @@ wire.parse_saved_model(open(saved_model, "rb").read())
 assert sys.modules["tensorflow"] is None
 print(json.dumps({{"tensors": out, "nodes": len(nodes)}}))
 """
-    env = dict(os.environ, KERAS_BACKEND="jax")
-    result = subprocess.run(
-        [sys.executable, "-c", code],
-        env=env,
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    got = json.loads(result.stdout.strip().splitlines()[-1])
+    got = last_json(run_python("-c", code, backend="jax", timeout=300))
     assert got["tensors"] == expected
     assert got["nodes"] == len(BundleReader(prefix).object_graph())
 

@@ -13,8 +13,6 @@ relative).
 import hashlib
 import json
 import os
-import subprocess
-import sys
 
 import h5py
 import keras
@@ -25,11 +23,15 @@ import keras_ema_opt
 from keras_ema_opt.compat import from_legacy_config
 from keras_ema_opt.savedmodel import load_legacy
 from keras_ema_opt.savedmodel import model_from_config
-from tests.conftest import to_numpy
+from conftest import BACKEND
+from conftest import ROOT
+from conftest import last_json
+from conftest import only_on
+from conftest import run_python
+from conftest import to_numpy
 
 pytest.importorskip("tf_keras")
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "tests", "scripts", "make_legacy_artifacts.py")
 
 NEW = ["sgd", "sgd_ema", "adam", "adam_ema", "adamw", "adagrad", "adadelta",
@@ -65,10 +67,8 @@ def artifacts():
     done = os.path.join(folder, "DONE")
     if not os.path.exists(done):
         os.makedirs(folder, exist_ok=True)
-        env = dict(os.environ, KERAS_BACKEND="tensorflow",
+        run_python(SCRIPT, folder, *CASES, backend="tensorflow", timeout=900,
                    CUDA_VISIBLE_DEVICES="")
-        subprocess.run([sys.executable, SCRIPT, folder] + CASES, check=True,
-                       env=env, timeout=900, capture_output=True)
         open(done, "w").close()
     return folder
 
@@ -101,7 +101,7 @@ def _matrix():
     """The whole matrix on JAX (the fastest backend here); on TensorFlow and
     PyTorch every optimizer in the two formats with config and a
     cross-section in all four, to keep CI within its time."""
-    if keras.backend.backend() == "jax":
+    if BACKEND == "jax":
         return [(c, f) for c in CASES for f in FORMATS]
     spread = ("adam_ema", "nadam", "L_sgd", "L_rmsprop")
     return [(c, f) for c in CASES for f in FORMATS
@@ -166,17 +166,12 @@ print(json.dumps({"worst": worst,
 """
 
 
-@pytest.mark.skipif(keras.backend.backend() == "tensorflow",
-                    reason="the TensorFlow backend needs TensorFlow")
+@only_on("jax", "torch")  # the TensorFlow backend needs TensorFlow
 @pytest.mark.parametrize("fmt", ["savedmodel", "h5"])
 def test_migration_with_tensorflow_blocked(artifacts, fmt):
     folder = os.path.join(artifacts, "adam_ema-conv")
-    out = subprocess.run(
-        [sys.executable, "-c", NO_TF, folder, FORMATS[fmt]],
-        capture_output=True, text=True, timeout=300,
-        env=dict(os.environ, KERAS_BACKEND=keras.backend.backend()))
-    assert out.returncode == 0, out.stderr[-2000:]
-    result = json.loads(out.stdout.strip().splitlines()[-1])
+    result = last_json(run_python("-c", NO_TF, folder, FORMATS[fmt],
+                                  backend=BACKEND, timeout=300))
     assert result["tensorflow"] is False
     assert result["worst"] < 2e-6
 
@@ -235,66 +230,80 @@ def _rename_class(old, new):
     return edit
 
 
-def _bad_inputs(folder, tmp):
-    """name -> (path, expected error type, text the message names)."""
-    from keras_ema_opt import errors
+def _write(path, data):
+    with open(path, "wb") as f:
+        f.write(data)
+    return str(path)
 
-    out = {}
-    truncated = str(tmp / "truncated.h5")
+
+def _h5_copy(folder, tmp, name, **edits):
+    path = _copy(os.path.join(folder, "model.h5"), tmp / name)
+    _edit_h5(path, **edits)
+    return path
+
+
+def _truncated_h5(folder, tmp):
     with open(os.path.join(folder, "model.h5"), "rb") as f:
         data = f.read()
-    with open(truncated, "wb") as f:
-        f.write(data[: len(data) // 3])
-    out["truncated h5"] = (truncated, errors.LegacyFormatError,
-                           "truncated.h5")
-    garbage = str(tmp / "garbage.h5")
-    with open(garbage, "wb") as f:
-        f.write(b"\x89HDF\r\n\x1a\n" + b"\x00" * 64)
-    out["corrupt h5"] = (garbage, errors.LegacyFormatError, "garbage.h5")
+    return _write(tmp / "truncated.h5", data[: len(data) // 3])
+
+
+def _truncated_index(folder, tmp):
     ckpt = _copy(os.path.join(folder, "ckpt"), tmp / "ckpt")
     with open(os.path.join(ckpt, "ckpt.index"), "r+b") as f:
         f.truncate(40)
-    out["truncated checkpoint index"] = (
-        os.path.join(ckpt, "ckpt"), errors.LegacyFormatError, "ckpt.index")
-    layer = _copy(os.path.join(folder, "model.h5"), tmp / "layer.h5")
-    _edit_h5(layer, model_config=_rename_class("Dense", "FancyDense"))
-    out["unknown layer class"] = (layer, errors.LegacyConfigError,
-                                  "FancyDense")
-    opt = _copy(os.path.join(folder, "model.h5"), tmp / "opt.h5")
-    _edit_h5(opt, training_config=_rename_class("Custom>Adam", "Custom>Adamus"))
-    out["unknown optimizer class"] = (opt, errors.LegacyConfigError,
-                                      "Adamus")
-    missing = _copy(os.path.join(folder, "model.h5"), tmp / "missing.h5")
-    with h5py.File(missing, "r+") as f:
+    return os.path.join(ckpt, "ckpt")
+
+
+def _missing_slot(folder, tmp):
+    path = _copy(os.path.join(folder, "model.h5"), tmp / "missing.h5")
+    with h5py.File(path, "r+") as f:
         del f["optimizer_weights"]["Adam"]["m"]["d1"]["kernel:0"]
-    out["missing optimizer variable"] = (missing, errors.LegacyFormatError,
-                                         "Adam/m/d1/kernel")
-    shape = _copy(os.path.join(folder, "model.h5"), tmp / "shape.h5")
-    _edit_h5(shape, model_config=lambda c: json.loads(
-        json.dumps(c).replace('"units": 5', '"units": 7')))
-    out["shape mismatch"] = (shape, errors.LegacyStateError, "d1/kernel")
-    lam = _copy(os.path.join(folder, "model.h5"), tmp / "lambda.h5")
-
-    def add_lambda(config):
-        config["config"]["layers"].append({
-            "class_name": "Lambda",
-            "config": {"name": "lam", "function": ["4wEAAAA=", None, None],
-                       "function_type": "lambda"}})
-        return config
-    _edit_h5(lam, model_config=add_lambda)
-    out["Lambda under safe_mode"] = (lam, errors.LegacyConfigError,
-                                     "safe_mode")
-    out["not an artifact"] = (str(tmp / "nothing.bin"),
-                              errors.LegacyFormatError, "nothing.bin")
-    with open(tmp / "nothing.bin", "wb") as f:
-        f.write(b"hello")
-    return out
+    return path
 
 
-BAD = ["truncated h5", "corrupt h5", "truncated checkpoint index",
-       "unknown layer class", "unknown optimizer class",
-       "missing optimizer variable", "shape mismatch",
-       "Lambda under safe_mode", "not an artifact"]
+def _add_lambda(config):
+    config["config"]["layers"].append({
+        "class_name": "Lambda",
+        "config": {"name": "lam", "function": ["4wEAAAA=", None, None],
+                   "function_type": "lambda"}})
+    return config
+
+
+def _bad_table():
+    from keras_ema_opt import errors
+
+    fmt, cfg, state = (errors.LegacyFormatError, errors.LegacyConfigError,
+                       errors.LegacyStateError)
+    # name -> (builder(folder, tmp) -> path, error type, text it names)
+    return {
+        "truncated h5": (_truncated_h5, fmt, "truncated.h5"),
+        "corrupt h5": (lambda f, t: _write(
+            t / "garbage.h5", b"\x89HDF\r\n\x1a\n" + b"\x00" * 64),
+            fmt, "garbage.h5"),
+        "truncated checkpoint index": (_truncated_index, fmt, "ckpt.index"),
+        "unknown layer class": (lambda f, t: _h5_copy(
+            f, t, "layer.h5",
+            model_config=_rename_class("Dense", "FancyDense")),
+            cfg, "FancyDense"),
+        "unknown optimizer class": (lambda f, t: _h5_copy(
+            f, t, "opt.h5",
+            training_config=_rename_class("Custom>Adam", "Custom>Adamus")),
+            cfg, "Adamus"),
+        "missing optimizer variable": (_missing_slot, fmt,
+                                       "Adam/m/d1/kernel"),
+        "shape mismatch": (lambda f, t: _h5_copy(
+            f, t, "shape.h5", model_config=lambda c: json.loads(
+                json.dumps(c).replace('"units": 5', '"units": 7'))),
+            state, "d1/kernel"),
+        "Lambda under safe_mode": (lambda f, t: _h5_copy(
+            f, t, "lambda.h5", model_config=_add_lambda), cfg, "safe_mode"),
+        "not an artifact": (lambda f, t: _write(t / "nothing.bin", b"hello"),
+                            fmt, "nothing.bin"),
+    }
+
+
+BAD = list(_bad_table())
 
 
 @pytest.mark.parametrize("name", BAD)
@@ -302,8 +311,8 @@ def test_bad_input_is_a_typed_error_and_leaves_no_file(artifacts, tmp_path,
                                                        name, capsys):
     from keras_ema_opt.cli import main
 
-    src, error, text = _bad_inputs(
-        os.path.join(artifacts, "adam-mlp"), tmp_path)[name]
+    build, error, text = _bad_table()[name]
+    src = build(os.path.join(artifacts, "adam-mlp"), tmp_path)
     out = tmp_path / "out"
     out.mkdir()
     dst = str(out / "new.keras")

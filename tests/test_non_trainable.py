@@ -13,8 +13,8 @@ import pytest
 import keras_ema_opt
 from keras_ema_opt import backend
 from keras_ema_opt.errors import InvalidArgumentError
-from tests.conftest import only_on
-from tests.conftest import to_numpy
+from conftest import only_on
+from conftest import to_numpy
 
 M = 0.8
 
@@ -58,7 +58,20 @@ def _reference(initial, stats, m=M):
     return averages
 
 
-def _fit(optimizer, weights, callbacks=(), accumulation=None, epochs=1):
+def _bn_stats(weights):
+    """Moving mean and variance in ``_model().get_weights()`` (Dense kernel,
+    bias, then BN gamma, beta, mean, variance)."""
+    return [weights[4], weights[5]]
+
+
+def _assert_stat_averages(optimizer, bn, initial, stats):
+    expected = _reference(initial, stats)
+    for var, want in zip([bn.moving_mean, bn.moving_variance], expected):
+        np.testing.assert_allclose(to_numpy(optimizer.average_of(var)),
+                                   want, rtol=1e-5, atol=1e-6)
+
+
+def _fit(optimizer, weights, callbacks=(), epochs=1):
     model = _model()
     model.set_weights(weights)
     model.compile(optimizer=optimizer, loss="mse")
@@ -71,25 +84,19 @@ def _fit(optimizer, weights, callbacks=(), accumulation=None, epochs=1):
 @pytest.mark.parametrize("epochs", [1, 2])
 def test_fit_averages_batchnorm_statistics(epochs):
     weights = _model().get_weights()
-    initial = [weights[2], weights[3]]  # BN gamma, beta, mean, var order
-    bn_initial = [weights[4], weights[5]]
     record = _Record()
     raw = _fit(keras_ema_opt.SGD(0.05), weights, [record], epochs=epochs)
     averaging = keras_ema_opt.EMA(M, include_non_trainable=True,
                                   finalize=False)
     model = _fit(keras_ema_opt.SGD(0.05, averaging=averaging), weights,
                  epochs=epochs)
-    del initial
     bn = model.layers[1]
     # The averaging does not change the training trajectory...
     np.testing.assert_array_equal(to_numpy(bn.moving_mean),
                                   to_numpy(raw.layers[1].moving_mean))
     # ...and the statistics' averages follow the formula over every step.
-    expected = _reference(bn_initial, record.stats)
-    optimizer = model.optimizer
-    for var, want in zip([bn.moving_mean, bn.moving_variance], expected):
-        np.testing.assert_allclose(to_numpy(optimizer.average_of(var)),
-                                   want, rtol=1e-5, atol=1e-6)
+    _assert_stat_averages(model.optimizer, bn, _bn_stats(weights),
+                          record.stats)
     assert len(record.stats) == 6 * epochs
 
 
@@ -124,13 +131,9 @@ def test_gradient_accumulation_averages_statistics_on_real_steps():
                                   finalize=False)
     model = _fit(keras_ema_opt.SGD(0.05, gradient_accumulation_steps=2,
                                    averaging=averaging), weights)
-    bn = model.layers[1]
-    expected = _reference([weights[4], weights[5]], record.stats)
     assert len(record.stats) == 3
-    for var, want in zip([bn.moving_mean, bn.moving_variance], expected):
-        np.testing.assert_allclose(
-            to_numpy(model.optimizer.average_of(var)), want, rtol=1e-5,
-            atol=1e-6)
+    _assert_stat_averages(model.optimizer, model.layers[1],
+                          _bn_stats(weights), record.stats)
 
 
 def test_custom_loop_with_track_non_trainable():
@@ -141,7 +144,7 @@ def test_custom_loop_with_track_non_trainable():
     optimizer.track_non_trainable(model)
     # Averages start as copies of the variables when the optimizer is built.
     optimizer.build(model.trainable_variables)
-    x, y = _data()
+    x, _ = _data()
     stats = []
     for i in range(3):
         batch = x[8 * i: 8 * i + 8]
@@ -153,11 +156,7 @@ def test_custom_loop_with_track_non_trainable():
                       for v in model.layers[1].non_trainable_variables])
     # compute_gradients ran the forward pass once: one statistics update per
     # step, which the average sees.
-    bn = model.layers[1]
-    expected = _reference(initial, stats)
-    for var, want in zip([bn.moving_mean, bn.moving_variance], expected):
-        np.testing.assert_allclose(to_numpy(optimizer.average_of(var)),
-                                   want, rtol=1e-5, atol=1e-6)
+    _assert_stat_averages(optimizer, model.layers[1], initial, stats)
 
 
 def test_keras_file_carries_statistics_averages(tmp_path):
@@ -226,11 +225,8 @@ def test_loss_scale_optimizer_averages_statistics():
         keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(0.05)),
         averaging)
     model = _fit(optimizer, weights)
-    bn = model.layers[1]
-    expected = _reference([weights[4], weights[5]], record.stats)
-    for var, want in zip([bn.moving_mean, bn.moving_variance], expected):
-        np.testing.assert_allclose(to_numpy(optimizer.average_of(var)), want,
-                                   rtol=1e-5, atol=1e-6)
+    _assert_stat_averages(optimizer, model.layers[1], _bn_stats(weights),
+                          record.stats)
 
 
 @only_on("jax")

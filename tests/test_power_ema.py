@@ -4,6 +4,7 @@ EDM2) against float64 numpy references written from the paper."""
 import keras
 import numpy as np
 import pytest
+from conftest import BACKEND
 from conftest import to_numpy
 
 import keras_ema_opt
@@ -153,7 +154,7 @@ def test_snapshots_in_fit_and_assign_by_path(tmp_path):
 @pytest.mark.parametrize("steps_per_execution", [1, 3])
 def test_snapshot_steps_with_steps_per_execution_and_loss_scaling(
         tmp_path, steps_per_execution):
-    if steps_per_execution > 1 and keras.backend.backend() == "torch":
+    if steps_per_execution > 1 and BACKEND == "torch":
         pytest.skip("Keras runs steps_per_execution=1 only on PyTorch")
     x = np.random.default_rng(0).normal(size=(48, 3)).astype("float32")
     y = x.sum(axis=1, keepdims=True)

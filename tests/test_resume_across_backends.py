@@ -3,24 +3,18 @@ other backend in lockstep with the uninterrupted run: weights, averages,
 iteration count."""
 
 import importlib.util
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 from conftest import BACKEND
+from conftest import run_python
 
 SCRIPT = Path(__file__).parent / "scripts" / "resume_across_backends.py"
 
 
 def _run(mode, folder, backend):
-    env = dict(os.environ, KERAS_BACKEND=backend, TF_CPP_MIN_LOG_LEVEL="3")
-    proc = subprocess.run([sys.executable, str(SCRIPT), mode, str(folder)],
-                          capture_output=True, text=True, timeout=240,
-                          env=env)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    run_python(SCRIPT, mode, folder, backend=backend)
 
 
 @pytest.fixture(scope="module")

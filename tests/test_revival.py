@@ -2,15 +2,13 @@
 run gives keras_ema_opt.compat.RestoredOptimizer, with tf_keras present and
 blocked, and to_keras() resumes training like tf_keras does."""
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import keras
 import numpy as np
 import pytest
+from conftest import last_json
+from conftest import run_python
 from conftest import to_numpy
 
 tf_keras = pytest.importorskip("tf_keras")
@@ -103,13 +101,8 @@ def test_in_process_revival_gives_our_restored_optimizer(saved):
 
 
 def test_revival_without_tf_keras(saved):
-    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3")
     paths = [saved[k][0] for k in CASES]
-    proc = subprocess.run([sys.executable, str(SCRIPT), "block", *paths],
-                          capture_output=True, text=True, timeout=240,
-                          env=env)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    result = last_json(run_python(SCRIPT, "block", *paths))
     assert result["tf_keras_loaded"] is False
     for key in CASES:
         path, model, _ = saved[key]
@@ -208,8 +201,5 @@ def test_revival_registers_when_compat_is_imported_before_tensorflow(saved):
         f"o = tf.saved_model.load({saved['new_adam_ema'][0]!r}).optimizer\n"
         "print(type(o).__module__, o.iterations)\n"
     )
-    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", KERAS_BACKEND="jax")
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True,
-                          text=True, timeout=240, env=env)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    proc = run_python("-c", code, backend="jax")
     assert proc.stdout.split()[-2:] == ["keras_ema_opt.compat.revival", "3"]

@@ -108,9 +108,10 @@ class Averager:
     # -- update ------------------------------------------------------------
 
     @staticmethod
-    def _step(optimizer):
+    def _step(optimizer, applied=None):
         """(t, real): the 1-based real step just taken, and whether this
-        call is a real step (``None``: always, no accumulation)."""
+        call is a real step (``None``: always, no accumulation). ``applied``
+        (a boolean tensor) also gates it: whether the step was taken."""
         steps = optimizer.gradient_accumulation_steps
         raw = optimizer._iterations
         if steps:
@@ -118,26 +119,34 @@ class Averager:
             t = ops.floor_divide(raw, steps) + 1
         else:
             real, t = None, raw + 1
+        if applied is not None:
+            real = applied if real is None else ops.logical_and(real, applied)
         return ops.cast(t, "int32"), real
+
+    def _targets(self, optimizer, extras_only):
+        """(i, variable, slots) of the averages this step updates: all, or
+        only the non-trainable ones; those whose current value the step
+        cannot read (JAX's stateless ``fit()`` step) are left out."""
+        for i, (var, slots) in enumerate(zip(self.variables, self.slots)):
+            if slots is None:
+                continue
+            if i < self.first_extra:
+                if not extras_only:
+                    yield i, var, slots
+            elif backend.value_visible(var):
+                yield i, var, slots
+            else:
+                self._warn_unseen(optimizer, var)
 
     def overwrite(self, optimizer, frequency, extras_only=False,
                   applied=None):
         """Keras 2's ``ema_overwrite_frequency``: every ``frequency`` steps
         the weights (and averaged statistics) become their averages."""
-        t, real = self._step(optimizer)
-        if applied is not None:
-            real = applied if real is None else ops.logical_and(real, applied)
+        t, real = self._step(optimizer, applied)
         due = ops.equal(ops.mod(t, frequency), 0)
         if real is not None:
             due = ops.logical_and(due, real)
-        for i, (var, slots) in enumerate(zip(self.variables, self.slots)):
-            if slots is None:
-                continue
-            if i >= self.first_extra:
-                if not backend.value_visible(var):
-                    continue
-            elif extras_only:
-                continue
+        for i, var, _ in self._targets(optimizer, extras_only):
             average = ops.cast(self.value(i), var.dtype)
             var.assign(ops.where(due, average, var.value))
 
@@ -157,9 +166,7 @@ class Averager:
         whether the optimizer step was taken at all).
         """
         strategy = self.strategy
-        t, real = self._step(optimizer)
-        if applied is not None:
-            real = applied if real is None else ops.logical_and(real, applied)
+        t, real = self._step(optimizer, applied)
         plain = real is None and strategy.start_step == 0 and (
             strategy.every == 1
         )
@@ -176,15 +183,7 @@ class Averager:
                 copy = ops.logical_and(copy, real)
         n = ops.cast(self.count.value, "int32") + 1
         decays = strategy.decays(n, t)
-        for i, (var, slots) in enumerate(zip(self.variables, self.slots)):
-            if slots is None:
-                continue
-            if i >= self.first_extra:
-                if not backend.value_visible(var):
-                    self._warn_unseen(optimizer, var)
-                    continue
-            elif extras_only:
-                continue
+        for _, var, slots in self._targets(optimizer, extras_only):
             for slot, decay in zip(slots, decays):
                 slot.assign(self._mix(slot, var, decay, average, copy))
         if extras_only:

@@ -58,3 +58,13 @@ def attach_model(optimizer, model):
 def current_value(variable):
     """A copy of ``variable``'s value now."""
     return keras.ops.copy(variable.value)
+
+
+def prepare_gradients(grads):
+    """Gradients as they are (backends without sparse gradient types)."""
+    return list(grads)
+
+
+def sync_training_state(model):
+    """Nothing to do where variables are always current."""
+    del model

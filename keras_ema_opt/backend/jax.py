@@ -13,6 +13,7 @@ keras_optimizer_class = _common.keras_optimizer_class
 colocate_with = _common.no_placement
 assign_copy = _common.assign_copy
 current_value = _common.current_value
+prepare_gradients = _common.prepare_gradients
 
 
 class OptimizerHooks:
@@ -138,27 +139,22 @@ def _average_non_trainable(optimizer, model, before, after, non_trainable):
     position = {id(v): i for i, v in enumerate(state_vars)}
     i_iter = position[id(iterations)]
     applied = jnp.not_equal(after[i_iter], before[i_iter])
+    # One scope: the overwrite reads the averages the update just wrote.
     mapping = list(zip(state_vars, before))
     mapping += list(zip(model.non_trainable_variables, non_trainable))
     frequency = optimizer.ema_overwrite_frequency
     with StatelessScope(state_mapping=mapping) as scope:
         averager.update(optimizer, extras_only=True, applied=applied)
-    after = list(after)
-    for i, var in extras:
-        for slot in averager.slots[i]:
-            after[position[id(slot)]] = scope.get_current_value(slot)
-    if frequency:
-        # The overwrite reads the new averages (later entries win).
-        mapping = list(zip(state_vars, before))
-        mapping += [(s, after[position[id(s)]]) for i, _ in extras
-                    for s in averager.slots[i]]
-        mapping += list(zip(model.non_trainable_variables, non_trainable))
-        with StatelessScope(state_mapping=mapping) as scope:
+        if frequency:
             averager.overwrite(optimizer, frequency, extras_only=True,
                                applied=applied)
-        non_trainable = [
-            scope.get_current_value(v) for v in model.non_trainable_variables
-        ]
+    after = list(after)
+    for i, _ in extras:
+        for slot in averager.slots[i]:
+            after[position[id(slot)]] = scope.get_current_value(slot)
+    non_trainable = [
+        scope.get_current_value(v) for v in model.non_trainable_variables
+    ]
     return non_trainable, after
 
 
@@ -196,10 +192,6 @@ def aggregate_gradients(optimizer, grads_and_vars):
     """
     del optimizer
     return list(grads_and_vars)
-
-
-def prepare_gradients(grads):
-    return list(grads)
 
 
 def sync_training_state(model):

@@ -9,6 +9,7 @@ from keras_ema_opt.backend import _common
 keras_optimizer_class = _common.keras_optimizer_class
 value_visible = _common.value_visible
 attach_model = _common.attach_model
+sync_training_state = _common.sync_training_state
 
 
 class OptimizerHooks:
@@ -125,7 +126,3 @@ def current_value(variable):
     with tf.init_scope():
         return tf.identity(_tf_variable(variable).read_value())
 
-
-def sync_training_state(model):
-    """Variables are always current on TensorFlow."""
-    del model

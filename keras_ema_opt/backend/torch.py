@@ -11,6 +11,8 @@ assign_copy = _common.assign_copy
 value_visible = _common.value_visible
 current_value = _common.current_value
 attach_model = _common.attach_model
+prepare_gradients = _common.prepare_gradients
+sync_training_state = _common.sync_training_state
 
 # Keras builds these multi-tensor (`torch._foreach_*`) classes when
 # `keras.optimizers.<Name>()` is called on PyTorch; reusing them keeps our
@@ -109,11 +111,3 @@ def aggregate_gradients(optimizer, grads_and_vars):
         out.append((g, v))
     return out
 
-
-def prepare_gradients(grads):
-    return list(grads)
-
-
-def sync_training_state(model):
-    """Variables are always current on PyTorch."""
-    del model

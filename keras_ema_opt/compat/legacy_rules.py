@@ -17,6 +17,7 @@ OptimizerV2's config), averaging.
 """
 
 import keras
+import numpy as np
 from keras import ops
 
 from keras_ema_opt.errors import InvalidArgumentError
@@ -239,3 +240,12 @@ class LegacyNadam(Optimizer):
                       epsilon=self.epsilon,
                       schedule_decay=self.schedule_decay)
         return config
+
+
+def nadam_u_product(beta_1, iterations):
+    """Nadam's ``u_product`` after ``iterations`` steps:
+    ``prod_{s <= t} beta_1 (1 - 0.5 * 0.96 ** s)``, the same in Keras 2 and
+    Keras 3. Recomputed when state is migrated, since tf_keras' own value is
+    wrong under ``tf.function`` (reference legacy-formats §4.3)."""
+    steps = np.arange(1, (iterations or 0) + 1, dtype=np.float64)
+    return float(np.prod(beta_1 * (1 - 0.5 * 0.96 ** steps)))

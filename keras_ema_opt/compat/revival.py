@@ -25,13 +25,12 @@ import keras
 import numpy as np
 
 from keras_ema_opt.compat import configs
+from keras_ema_opt.compat import legacy_rules
 from keras_ema_opt.compat import slots as slot_tables
 from keras_ema_opt.errors import LegacyConfigError
 
 IDENTIFIERS = ("experimentalOptimizer", "tf_keras_experimentalOptimizer",
                "optimizer", "tf_keras_optimizer")
-_SCALARS = {"_iterations", "iter", "_learning_rate", "learning_rate",
-            "_current_learning_rate", "_u_product", "momentum_cache"}
 
 
 def _restored_class():
@@ -188,26 +187,21 @@ def _restored_class():
                 )
             name = self._class_name()
             inner = {"learning_rate": self.learning_rate or 0.001}
-            if self.legacy:
-                inner.update(self.hyperparameters)
-                inner["decay"] = inner.get("decay", 0.0)
+            inner.update(self.hyperparameters)
+            inner["decay"] = inner.get("decay", 0.0)
             if self.averages:
                 inner["use_ema"] = True
             return configs.from_legacy_config(
-                {"class_name": name, "module": "keras.optimizers" + (
-                    ".legacy" if self.legacy else ""), "config": inner})
+                {"class_name": name, "module": "keras.optimizers.legacy",
+                 "config": inner})
 
         def _class_name(self):
+            """The OptimizerV2 class, from its slots and hyperparameters."""
             names = set(self._keo_children)
-            if self.legacy:
-                slot_names = {s for s, _, _ in self._keo_slot_records}
-                for test, name in slot_tables.LEGACY_FINGERPRINTS:
-                    if test(slot_names, names):
-                        return name
-            else:
-                prefix = _prefix(self)
-                if prefix and prefix.lower() in configs.CLASS_NAMES:
-                    return configs.CLASS_NAMES[prefix.lower()]
+            slot_names = {s for s, _, _ in self._keo_slot_records}
+            name = slot_tables.legacy_class(slot_names, names)
+            if name is not None:
+                return name
             raise LegacyConfigError(
                 "Cannot tell the Keras 2 optimizer class from the restored "
                 f"state (children {sorted(names)}). Pass its config: "
@@ -235,14 +229,6 @@ def _model_name(var, slot_name):
     parts = _name(var).split("/")
     if slot_name in parts:
         return "/".join(parts[parts.index(slot_name) + 1:])
-    return None
-
-
-def _prefix(restored):
-    for var in _list(restored._keo_children.get("_variables")):
-        parts = _name(var).split("/")
-        if len(parts) > 2:
-            return parts[0]
     return None
 
 
@@ -283,7 +269,8 @@ def _fill(optimizer, restored, model):
             if slot is not None:
                 _assign(slot[0], value, f"average of {model_name}")
     if restored.u_product is not None and hasattr(inner, "_u_product"):
-        inner._u_product.assign(_nadam_u_product(inner, restored.iterations))
+        inner._u_product.assign(
+            legacy_rules.nadam_u_product(inner.beta_1, restored.iterations))
     return optimizer
 
 
@@ -327,13 +314,6 @@ def _assign(variable, value, what):
             f"{tuple(variable.shape)}, the Keras 2 state {np.shape(value)}."
         )
     variable.assign(value)
-
-
-def _nadam_u_product(optimizer, iterations):
-    """prod_{s <= t} beta_1 (1 - 0.5 * 0.96 ** s), recomputed (Keras 2's own
-    value is wrong under tf.function, reference §4.3)."""
-    steps = np.arange(1, (iterations or 0) + 1, dtype=np.float64)
-    return float(np.prod(optimizer.beta_1 * (1 - 0.5 * 0.96 ** steps)))
 
 
 _REGISTERED = []

@@ -53,3 +53,10 @@ LEGACY_FINGERPRINTS = (
     (lambda slots, hypers: "m" in slots and "beta_1" in hypers, "Adam"),
     (lambda slots, hypers: "momentum" in hypers, "SGD"),
 )
+
+
+def legacy_class(slot_names, hyperparameters):
+    """The OptimizerV2 class told from its slot and hyperparameter names
+    (``LEGACY_FINGERPRINTS``), or ``None``."""
+    return next((name for test, name in LEGACY_FINGERPRINTS
+                 if test(slot_names, hyperparameters)), None)

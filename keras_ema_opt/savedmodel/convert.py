@@ -9,15 +9,10 @@ import keras
 import numpy as np
 
 from keras_ema_opt.compat import configs
+from keras_ema_opt.compat import legacy_rules
 from keras_ema_opt.compat import slots as slot_tables
 from keras_ema_opt.errors import LegacyConfigError
 from keras_ema_opt.errors import LegacyStateError
-
-# Legacy (OptimizerV2) structure -> class, for checkpoints without config.
-_NEW_FINGERPRINTS = (
-    ("_u_product", "Nadam"),
-)
-
 
 def _contains_lambda(config):
     if isinstance(config, dict):
@@ -135,10 +130,9 @@ def optimizer_from_record(record, custom_objects=None):
     hypers = state.hyperparameters
     if state.kind == "legacy":
         slot_set = set(state.slot_names())
-        for test, cls in slot_tables.LEGACY_FINGERPRINTS:
-            if test(slot_set, hypers):
-                name = name if name in configs.CLASS_NAMES else cls
-                break
+        cls = slot_tables.legacy_class(slot_set, hypers)
+        if cls is not None:
+            name = name if name in configs.CLASS_NAMES else cls
         config = {k: v for k, v in hypers.items()
                   if k in ("decay", "beta_1", "beta_2", "rho", "momentum")}
         if name == "Nadam":
@@ -206,9 +200,8 @@ def fill_optimizer(record, optimizer, mapping, model):
             f"no place for the Keras 2 state {missed[:6]}"
             f"{'...' if len(missed) > 6 else ''}.")
     if hasattr(inner, "_u_product"):
-        from keras_ema_opt.compat.revival import _nadam_u_product
-
-        inner._u_product.assign(_nadam_u_product(inner, state.iterations))
+        inner._u_product.assign(
+            legacy_rules.nadam_u_product(inner.beta_1, state.iterations))
     cache = state.hyperparameters.get("momentum_cache")
     if cache is not None and hasattr(inner, "_momentum_cache"):
         inner._momentum_cache.assign(float(cache))

@@ -131,22 +131,22 @@ def _strip(name):
     return re.sub(r":\d+$", "", str(name))
 
 
-def read_checkpoint(prefix, _format="checkpoint", _record=None):
+def read_checkpoint(prefix, _record=None):
     """Read a TF object checkpoint (``tf.train.Checkpoint`` or
     ``save_weights``) at ``prefix`` into a record."""
     from keras_ema_opt.savedmodel.bundle import BundleReader
 
     reader = BundleReader(prefix)
     graph = _Graph(reader, prefix)
-    record = _record or LegacyRecord(path=str(prefix), format=_format)
+    record = _record or LegacyRecord(path=str(prefix), format="checkpoint")
     root = graph.children(0)
     model = root["model"] if "model" in root else 0
     optimizer = root.get("optimizer")
     if optimizer is None:
         optimizer = graph.children(model).get("optimizer")
-    _read_model_weights(graph, model, optimizer, record)
+    paths = _read_model_weights(graph, model, optimizer, record)
     if optimizer is not None:
-        record.optimizer = _read_optimizer(graph, optimizer, record)
+        record.optimizer = _read_optimizer(graph, optimizer, record, paths)
     elif record.format == "checkpoint":
         record.warnings.append("The checkpoint holds no optimizer.")
     return record
@@ -158,7 +158,8 @@ def _natural(path):
 
 
 def _read_model_weights(graph, model, optimizer, record):
-    """Variables under the model's layers, keyed by object path."""
+    """Variables under the model's layers, keyed by object path, into
+    ``record``; returns ``{node id: object path}``."""
     found = {}
     stack = [(model, "")]
     seen = {model}
@@ -177,15 +178,14 @@ def _read_model_weights(graph, model, optimizer, record):
             if graph.attribute(child) is not None:
                 found[top] = child
             stack.append((child, top))
-    record.node_paths = {}
     for path in sorted(found, key=_natural):
         node = found[path]
         record.weights[path] = graph.value(node)
         record.names[path] = graph.name(node) or path
-        record.node_paths[node] = path
+    return {node: path for path, node in found.items()}
 
 
-def _read_optimizer(graph, node, record):
+def _read_optimizer(graph, node, record, paths):
     children = graph.children(node)
     wrapper_scalars = {}
     if "loss_scale" in children:
@@ -201,7 +201,7 @@ def _read_optimizer(graph, node, record):
     if "_iterations" in children:
         state = _read_new(graph, node, children, record)
     elif "iter" in children or graph.nodes[node]["slot_variables"]:
-        state = _read_v2(graph, node, children, record)
+        state = _read_v2(graph, node, children, record, paths)
     else:
         raise LegacyFormatError(
             f"{graph.path}: the optimizer node has neither `_iterations` "
@@ -227,7 +227,7 @@ def _read_new(graph, node, children, record):
     if "_u_product" in children:
         state.hyperparameters["_u_product"] = _scalar(
             graph.value(children["_u_product"]))
-    queues = {}  # per slot: colliding names are taken in model order
+    placer = _Placer(record, graph.path)
     prefix = None
     for attr in sorted(children, key=_natural):
         if attr not in _NEW_LISTS:
@@ -246,9 +246,7 @@ def _read_new(graph, node, children, record):
             prefix = prefix or head
             if value.dtype.kind in "iu" and value.ndim == 0:
                 continue  # Adafactor's rank < 2 placeholders
-            queue = queues.setdefault(slot, _weights_by_name(record))
-            weight = _take(queue, model_name, value, graph.path, full)
-            state.slots.append(Slot(slot, weight, value, full))
+            state.slots.append(placer.slot(slot, model_name, value, full))
     state.class_name = prefix
     return state
 
@@ -263,36 +261,46 @@ def _split_new(full):
 
 
 def _weights_by_name(record):
-    """Keras 2 variable name -> weight keys in model order (a queue each:
-    colliding names are taken in order)."""
+    """Keras 2 variable name -> weight keys in model order."""
     out = {}
     for key in record.weights:
         out.setdefault(record.names.get(key, key), []).append(key)
-    return {k: list(v) for k, v in out.items()}
+    return out
 
 
-def _take(by_name, name, value, path, what):
-    queue = by_name.get(name)
-    if queue:
-        for i, key in enumerate(queue):
-            if key is not None:
-                queue[i] = None
-                return key
-    # Names may carry an outer scope the weights lack (or the reverse).
-    for known, queue in by_name.items():
-        if known.endswith("/" + name) or name.endswith("/" + known):
-            for i, key in enumerate(queue):
-                if key is not None:
-                    queue[i] = None
-                    return key
-    raise LegacyFormatError(
-        f"{path}: optimizer state {what!r} belongs to model variable "
-        f"{name!r}, which the artifact's model does not have (or has fewer "
-        "times). Model variables: "
-        f"{sorted(by_name)[:8]}", path=path, key=what)
+class _Placer:
+    """Ties optimizer state to model weights by Keras 2 variable name.
+
+    Each slot name has its own queue per variable name, so colliding names
+    (same-named layers in sub-models) are taken in model order.
+    """
+
+    def __init__(self, record, path):
+        self.record = record
+        self.path = path
+        self.queues = {}
+
+    def slot(self, slot, model_name, value, full):
+        if slot not in self.queues:
+            self.queues[slot] = _weights_by_name(self.record)
+        by_name = self.queues[slot]
+        queue = by_name.get(model_name)
+        if not queue:
+            # Names may carry an outer scope the weights lack (or the
+            # reverse).
+            queue = next((q for known, q in by_name.items() if q and (
+                known.endswith("/" + model_name)
+                or model_name.endswith("/" + known))), None)
+        if not queue:
+            raise LegacyFormatError(
+                f"{self.path}: optimizer state {full!r} belongs to model "
+                f"variable {model_name!r}, which the artifact's model does "
+                "not have (or has fewer times). Model variables: "
+                f"{sorted(by_name)[:8]}", path=self.path, key=full)
+        return Slot(slot, queue.pop(0), value, full)
 
 
-def _read_v2(graph, node, children, record):
+def _read_v2(graph, node, children, record, paths):
     state = OptimizerState(kind="legacy")
     state.iterations = int(_scalar(graph.value(children["iter"])))
     for name, child in children.items():
@@ -300,7 +308,6 @@ def _read_v2(graph, node, children, record):
             continue
         state.hyperparameters[name] = _scalar(graph.value(child))
     state.learning_rate = state.hyperparameters.pop("learning_rate", None)
-    paths = record.node_paths
     for original, slot, slot_node in graph.nodes[node]["slot_variables"]:
         if original not in paths:
             raise LegacyFormatError(
@@ -452,12 +459,12 @@ def _read_h5(f, record, path):
 
 
 def _h5_optimizer(values, record, path):
-    by_name = _weights_by_name_plain(record)
+    by_name = _weights_by_name(record)
+    placer = _Placer(record, path)
     if any(n.split("/")[-1] == "iter" for n, _ in values):
         state = OptimizerState(kind="legacy")
     else:
         state = OptimizerState(kind="new")
-    queues = {}
     for name, value in values:
         last = name.split("/")[-1]
         if last in ("iter", "iteration"):
@@ -479,18 +486,12 @@ def _h5_optimizer(values, record, path):
             raise LegacyFormatError(
                 f"{path}: cannot place optimizer weight {name!r} (no known "
                 "slot name or model variable in it).", path=path, key=name)
-        queue = queues.setdefault(slot, _weights_by_name(record))
-        weight = _take(queue, model_name, value, path, name)
-        state.slots.append(Slot(slot, weight, value, name))
+        state.slots.append(placer.slot(slot, model_name, value, name))
     record.warnings.append(
         "h5 files do not store the learning-rate variable (the config value "
         "is used)" + (" nor Nadam's u_product (recomputed from the "
                       "iteration count)" if state.kind == "new" else ""))
     return state
-
-
-def _weights_by_name_plain(record):
-    return _weights_by_name(record)
 
 
 def _longest_known(parts, by_name):

@@ -9,8 +9,8 @@ them (the oracle). Also writes the batches used.
 Usage: make_legacy_artifacts.py OUT_DIR CASE... ; CASE = opt:model where opt
 is a key of OPTIMIZERS and model one of mlp, conv, embed. Writes
 OUT_DIR/<case>/{savedmodel/, model.h5, ckpt/, weights/, expected.npz} and
-OUT_DIR/<case>/info.json. tf.keras 2.12 runs it too (the committed
-fixtures, tests/fixtures/keras212/).
+OUT_DIR/<case>/info.json. Without tf_keras it uses tf.keras (Keras 2 in
+TensorFlow <= 2.15).
 """
 
 import json
@@ -149,8 +149,6 @@ def make(out, case):
     arrays.update({f"before{i}": w for i, w in enumerate(before)})
     arrays.update({f"after{i}": w.numpy() for i, w in enumerate(
         model.weights)})
-    arrays.update({f"trainable{i}": w.numpy() for i, w in enumerate(
-        model.trainable_weights)})
     arrays.update({f"average{i}": a for i, a in enumerate(
         _averages(model.optimizer))})
     np.savez(os.path.join(folder, "expected.npz"), **arrays)
