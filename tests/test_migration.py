@@ -323,3 +323,40 @@ def test_bad_input_is_a_typed_error_and_leaves_no_file(artifacts, tmp_path,
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert error.__name__ in err
     assert os.listdir(out) == []
+
+
+@pytest.mark.parametrize("case,cls", [("L_adamax:mlp", "Adamax"),
+                                      ("L_sgd:mlp", "SGD")])
+def test_bare_optimizer_v2_checkpoint_rebuilds_its_optimizer(artifacts,
+                                                             case, cls):
+    """No config in the file: the class comes from the variable names
+    (Adamax, not the Adam its slots look like), the hyperparameters from
+    their variables."""
+    folder = os.path.join(artifacts, case.replace(":", "-"))
+    with h5py.File(os.path.join(folder, "model.h5"), "r") as f:
+        model = model_from_config(f.attrs["model_config"])
+    with pytest.warns(UserWarning, match="take their defaults"):
+        optimizer = keras_ema_opt.savedmodel.restore_checkpoint(
+            model, os.path.join(folder, FORMATS["checkpoint"]))
+    assert type(optimizer).__name__ == cls
+    model.compile(optimizer=optimizer, loss="mse")
+    expected = np.load(os.path.join(folder, "expected.npz"))
+    with open(os.path.join(folder, "info.json")) as f:
+        info = json.load(f)
+    for i in range(5):
+        model.train_on_batch(expected[f"x{i}"], expected[f"y{i}"])
+    for i, name in enumerate(info["weights"]):
+        np.testing.assert_allclose(to_numpy(_find(model, name)),
+                                   expected[f"after{i}"], rtol=1e-6,
+                                   atol=1e-6)
+
+
+def test_bare_checkpoint_of_a_new_optimizer_needs_the_optimizer(artifacts):
+    from keras_ema_opt.errors import LegacyConfigError
+
+    folder = os.path.join(artifacts, "adam-mlp")
+    with h5py.File(os.path.join(folder, "model.h5"), "r") as f:
+        model = model_from_config(f.attrs["model_config"])
+    with pytest.raises(LegacyConfigError, match="stores only its learning"):
+        keras_ema_opt.savedmodel.restore_checkpoint(
+            model, os.path.join(folder, FORMATS["checkpoint"]))

@@ -4,6 +4,7 @@ and shape, the optimizer through ``keras_ema_opt.compat`` with every slot,
 the iteration count, the learning rate and the EMA averages assigned."""
 
 import json
+import warnings
 
 import keras
 import numpy as np
@@ -121,42 +122,48 @@ def _match(name, shape, targets, used):
 
 
 def optimizer_from_record(record, custom_objects=None):
-    """The Keras 3 optimizer for the record's optimizer config (or, for a
-    bare checkpoint, its class told from the structure)."""
+    """The Keras 3 optimizer for the record's optimizer config; for a bare
+    OptimizerV2 checkpoint, rebuilt from its hyperparameter variables.
+
+    Raises:
+        LegacyConfigError: a bare checkpoint of a Keras 2.11+ optimizer,
+            which stores no hyperparameter but the learning rate.
+    """
     state = record.optimizer
     if state.config is not None:
         return configs.from_legacy_config(state.config, custom_objects)
     name = state.class_name
-    hypers = state.hyperparameters
-    if state.kind == "legacy":
-        slot_set = set(state.slot_names())
-        cls = slot_tables.legacy_class(slot_set, hypers)
-        if cls is not None:
-            name = name if name in configs.CLASS_NAMES else cls
-        config = {k: v for k, v in hypers.items()
-                  if k in ("decay", "beta_1", "beta_2", "rho", "momentum")}
-        if name == "Nadam":
-            config.pop("decay", None)
-        if state.learning_rate is not None:
-            config["learning_rate"] = float(state.learning_rate)
-        if "m" in slot_set and "vhat" in slot_set:
-            config["amsgrad"] = True
-        return configs.from_legacy_config(
-            {"class_name": name, "module": "keras.optimizers.legacy",
-             "config": config}, custom_objects)
-    if name not in configs.CLASS_NAMES:
+    if state.kind != "legacy":
         raise LegacyConfigError(
-            f"{record.path}: a bare checkpoint does not record the optimizer "
-            f"class, and its variable names say {name!r}. Build the model "
-            "and optimizer yourself and use `restore_checkpoint(model, path,"
-            " optimizer=...)`.")
-    config = {}
+            f"{record.path}: a bare checkpoint of a Keras 2.11+ optimizer "
+            f"({name or 'class unknown'}) stores only its learning rate; "
+            "its other hyperparameters (betas, momentum, epsilon, "
+            "ema_momentum, ...) are in no file here. Compile the model with "
+            "the optimizer it was trained with and pass it "
+            "(`load_legacy(path, model=compiled_model)`), or use "
+            "`restore_checkpoint(model, path, optimizer=...)`.")
+    hypers = state.hyperparameters
+    slot_set = set(state.slot_names())
+    # The variable names' prefix tells the class (Adam and Adamax share
+    # their slot names); the structure is the fallback.
+    known = configs.CLASS_NAMES.get(str(name).lower()) if name else None
+    name = known or slot_tables.legacy_class(slot_set, hypers) or name
+    config = {k: v for k, v in hypers.items()
+              if k in ("decay", "beta_1", "beta_2", "rho", "momentum")}
+    if name == "Nadam":
+        config.pop("decay", None)
     if state.learning_rate is not None:
         config["learning_rate"] = float(state.learning_rate)
-    if state.averages:
-        config["use_ema"] = True
+    if "m" in slot_set and "vhat" in slot_set:
+        config["amsgrad"] = True
+    warnings.warn(
+        f"{record.path}: {name} rebuilt from the checkpoint's "
+        f"hyperparameter variables {sorted(config)}; arguments a checkpoint "
+        "does not store (epsilon, nesterov, ...) take their defaults. Pass "
+        "the optimizer to be exact.", stacklevel=3)
     return configs.from_legacy_config(
-        {"class_name": name, "config": config}, custom_objects)
+        {"class_name": name, "module": "keras.optimizers.legacy",
+         "config": config}, custom_objects)
 
 
 def fill_optimizer(record, optimizer, mapping, model):
