@@ -45,20 +45,47 @@ REMOVED_ARGUMENTS = {
 }
 
 
+# Keys under which a layer's config holds the config of another layer (or
+# cell) that Keras 3 deserializes with its new-style deserializer, which
+# needs a "module"; Keras 2 SavedModel metadata records none.
+_SUBLAYER_KEYS = ("layer", "backward_layer", "cell", "cells")
+
+
 def upgrade_model_config(config):
     """A copy of a Keras 2 model config that Keras 3 accepts.
+
+    Besides dropping removed arguments (``REMOVED_ARGUMENTS``):
+
+    - node indices of calls to a nested functional model, or to a nested
+      ``Sequential`` that starts with an ``InputLayer``, are shifted down
+      by one: Keras 2 counted such a model's own first node (its
+      ``_should_skip_first_node``), Keras 3 models have none (where Keras
+      3 reads the model's outputs, it takes the one off itself for a
+      ``Functional``, so only ``Sequential`` references move there);
+    - wrapped layers and cells (``Bidirectional``, ``TimeDistributed``,
+      ``RNN(cell=...)``) without a ``"module"`` get Keras' own, as the
+      new-style deserializer needs.
 
     Raises:
         LegacyConfigError: a removed argument with a value that mattered
             (``time_major=True``, ``renorm=True``, ...), naming the layer.
     """
+    return _upgrade(config, parent_key=None)
+
+
+def _upgrade(config, parent_key):
     if isinstance(config, list):
-        return [upgrade_model_config(c) for c in config]
+        return [_upgrade(c, parent_key) for c in config]
     if not isinstance(config, dict):
         return config
-    out = {k: upgrade_model_config(v) for k, v in config.items()}
+    out = {k: _upgrade(v, k) for k, v in config.items()}
     class_name = out.get("class_name")
     inner = out.get("config")
+    if parent_key in _SUBLAYER_KEYS and isinstance(inner, dict) and (
+            "module" not in out) and _is_keras_layer(class_name):
+        out["module"] = "keras.layers"
+    if isinstance(inner, dict) and isinstance(inner.get("layers"), list):
+        _shift_nested_model_nodes(inner)
     removed = REMOVED_ARGUMENTS.get(class_name)
     if removed and isinstance(inner, dict):
         for key, safe in removed.items():
@@ -72,3 +99,56 @@ def upgrade_model_config(config):
                     f"{key} in {list(safe)} can be migrated.")
             del inner[key]
     return out
+
+
+def _is_keras_layer(class_name):
+    import keras
+
+    return isinstance(class_name, str) and isinstance(
+        getattr(keras.layers, class_name, None), type)
+
+
+def _starts_with_input(layer_config):
+    layers = (layer_config.get("config") or {}).get("layers") or []
+    return bool(layers) and isinstance(layers[0], dict) and (
+        layers[0].get("class_name") == "InputLayer")
+
+
+def _shift_nested_model_nodes(graph):
+    """In a functional config, re-index the calls of nested models that
+    Keras 2 numbered from 1 (see ``upgrade_model_config``)."""
+    sequential, functional = set(), set()
+    for layer in graph["layers"]:
+        if not isinstance(layer, dict):
+            continue
+        if layer.get("class_name") == "Sequential" and _starts_with_input(
+                layer):
+            sequential.add(layer.get("name"))
+        elif layer.get("class_name") in ("Functional", "Model"):
+            functional.add(layer.get("name"))
+    if not sequential and not functional:
+        return
+
+    def fix(ref, names):
+        if (isinstance(ref, list) and len(ref) >= 3
+                and isinstance(ref[0], str) and isinstance(ref[1], int)):
+            if ref[0] in names:
+                if ref[1] < 1:
+                    raise LegacyConfigError(
+                        f"Node {ref[:3]} refers to the first node of the "
+                        f"nested model {ref[0]!r}, which Keras 2 does not "
+                        "save; the config is damaged.")
+                ref = [ref[0], ref[1] - 1, *ref[2:]]
+            return ref
+        if isinstance(ref, list):
+            return [fix(r, names) for r in ref]
+        return ref
+
+    for layer in graph["layers"]:
+        if isinstance(layer, dict) and "inbound_nodes" in layer:
+            layer["inbound_nodes"] = fix(layer["inbound_nodes"],
+                                         sequential | functional)
+    # Keras 3 itself takes one off for nested Functional models here.
+    for key in ("input_layers", "output_layers"):
+        if key in graph:
+            graph[key] = fix(graph[key], sequential)

@@ -4,6 +4,7 @@ and shape, the optimizer through ``keras_ema_opt.compat`` with every slot,
 the iteration count, the learning rate and the EMA averages assigned."""
 
 import json
+import re
 import warnings
 
 import keras
@@ -71,9 +72,13 @@ def _first_line(error):
 def assign_weights(record, model):
     """Put the record's weights into ``model``; returns ``{key: variable}``.
 
-    Each Keras 2 weight goes to the first unused Keras 3 variable whose
-    path ends with its Keras 2 name (``d1/kernel`` -> ``seq/d1/kernel``)
-    and whose shape is the same; colliding names are taken in model order.
+    Each Keras 2 weight goes to an unused Keras 3 variable of the same
+    shape whose path ends with its Keras 2 name (``d1/kernel`` ->
+    ``seq/d1/kernel``); colliding names are taken in model order. Weights
+    left over are then matched with the numeric suffixes of their path
+    parts set aside: Keras 2 numbered the names it made up itself (an RNN's
+    cell, ``lstm/lstm_cell_1/kernel``) per process, so they depend on what
+    else that process built; the names in the config do not.
 
     Raises:
         LegacyStateError: a weight with no place, or a model variable left
@@ -82,19 +87,26 @@ def assign_weights(record, model):
     targets = list(model.weights)
     used = set()
     mapping = {}
+    for exact in (True, False):
+        for key, value in record.weights.items():
+            if key in mapping:
+                continue
+            name = record.names.get(key, key)
+            var = _match(name, np.shape(value), targets, used, exact)
+            if var is not None:
+                used.add(id(var))
+                mapping[key] = var
     for key, value in record.weights.items():
+        if key in mapping:
+            continue
         name = record.names.get(key, key)
-        var = _match(name, np.shape(value), targets, used)
-        if var is None:
-            candidates = [f"{v.path}{tuple(v.shape)}" for v in targets
-                          if id(v) not in used and v.path.endswith(
-                              "/" + name.split("/")[-1])]
-            raise LegacyStateError(
-                f"{record.path}: weight {key!r} ({name}, shape "
-                f"{tuple(np.shape(value))}) has no place in the Keras 3 "
-                f"model. Unused variables of that name: {candidates[:6]}")
-        used.add(id(var))
-        mapping[key] = var
+        candidates = [f"{v.path}{tuple(v.shape)}" for v in targets
+                      if id(v) not in used and v.path.endswith(
+                          "/" + name.split("/")[-1])]
+        raise LegacyStateError(
+            f"{record.path}: weight {key!r} ({name}, shape "
+            f"{tuple(np.shape(value))}) has no place in the Keras 3 "
+            f"model. Unused variables of that name: {candidates[:6]}")
     missing = [f"{v.path}{tuple(v.shape)}" for v in targets
                if id(v) not in used]
     if missing:
@@ -108,12 +120,21 @@ def assign_weights(record, model):
     return mapping
 
 
-def _match(name, shape, targets, used):
+_NUMBERED = re.compile(r"_\d+$")
+
+
+def _unnumbered(path):
+    return "/".join(_NUMBERED.sub("", part) for part in path.split("/"))
+
+
+def _match(name, shape, targets, used, exact=True):
+    if not exact:
+        name = _unnumbered(name)
     suffix = None
     for var in targets:
         if id(var) in used or tuple(var.shape) != tuple(shape):
             continue
-        path = var.path
+        path = var.path if exact else _unnumbered(var.path)
         if path == name or path.split("/", 1)[-1] == name:
             return var
         if suffix is None and path.endswith("/" + name):

@@ -7,12 +7,15 @@ For each case (optimizer x model), trains a tf_keras model 3 steps with
 them (the oracle). Also writes the batches used.
 
 Usage: make_legacy_artifacts.py OUT_DIR CASE... ; CASE = opt:model where opt
-is a key of OPTIMIZERS and model one of mlp, conv, embed. Writes
+is a key of OPTIMIZERS and model one of mlp, conv, embed, nested
+(a Sequential and a functional model inside a functional model), rnn (Bidirectional GRU), custom
+(a custom layer class). Writes
 OUT_DIR/<case>/{savedmodel/, model.h5, ckpt/, weights/, expected.npz} and
 OUT_DIR/<case>/info.json. Without tf_keras it uses tf.keras (Keras 2 in
 TensorFlow <= 2.15).
 """
 
+import functools
 import json
 import os
 import sys
@@ -94,14 +97,64 @@ def _model(kind):
         x = layers.LSTM(4, name="lstm")(x)
         outputs = layers.Dense(2, name="out")(x)
         return k2.Model(inputs, outputs, name="embed")
+    if kind == "nested":
+        inner = k2.Sequential([
+            layers.Dense(5, activation="relu", name="d1"),
+            layers.Dense(4, activation="tanh", name="d2"),
+        ], name="inner")
+        sub_inputs = k2.Input((4,))
+        sub = k2.Model(sub_inputs, layers.Dense(3, name="d3")(sub_inputs),
+                       name="sub")
+        inputs = k2.Input((6,))
+        outputs = layers.Dense(2, name="out")(sub(inner(inputs)))
+        return k2.Model(inputs, outputs, name="nested")
+    if kind == "rnn":
+        inputs = k2.Input((4,), dtype="int32")
+        x = layers.Embedding(10, 3, name="emb")(inputs)
+        x = layers.Bidirectional(layers.GRU(4, name="gru"), name="bi")(x)
+        outputs = layers.Dense(2, name="out")(x)
+        return k2.Model(inputs, outputs, name="rnn")
+    if kind == "custom":
+        inputs = k2.Input((6,))
+        x = layers.Dense(5, name="d1")(inputs)
+        x = _scale_class()(init=0.5, name="scale")(x)
+        outputs = layers.Dense(2, name="out")(x)
+        return k2.Model(inputs, outputs, name="custom")
     raise ValueError(kind)
+
+
+@functools.lru_cache(maxsize=None)  # registered once per process
+def _scale_class():
+    """A custom layer with weights of its own (``keo_test>Scale``); its
+    Keras 3 twin is ``tests/legacy_custom_objects.py``."""
+
+    @k2.utils.register_keras_serializable(package="keo_test")
+    class Scale(k2.layers.Layer):
+        def __init__(self, init=1.0, **kwargs):
+            super().__init__(**kwargs)
+            self.init = init
+
+        def build(self, input_shape):
+            self.w = self.add_weight(
+                name="w", shape=(input_shape[-1],),
+                initializer=k2.initializers.Constant(self.init))
+            self.b = self.add_weight(name="b", shape=(input_shape[-1],),
+                                     initializer="zeros")
+
+        def call(self, x):
+            return x * self.w + self.b
+
+        def get_config(self):
+            return {**super().get_config(), "init": self.init}
+
+    return Scale
 
 
 def _batches(kind, n):
     rng = np.random.RandomState(7)
     out = []
     for _ in range(n):
-        if kind == "mlp":
+        if kind in ("mlp", "nested", "custom"):
             x = rng.randn(8, 6).astype("float32")
         elif kind == "conv":
             x = rng.randn(8, 6, 6, 1).astype("float32")
