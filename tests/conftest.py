@@ -64,3 +64,39 @@ def last_json(proc):
     import json
 
     return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def made_by_script(script, args, tag=""):
+    """The folder of artifacts ``script OUT *args`` makes with real
+    TensorFlow / tf_keras in a subprocess, made once per machine and
+    script version under ``.pytest-fixtures/`` (CI runs the backends over
+    the same clone, possibly at the same time: a file lock keeps one
+    maker)."""
+    import fcntl
+    import hashlib
+    import shutil
+
+    with open(script, "rb") as f:
+        text = f.read()
+    try:
+        import tf_keras
+
+        version = tf_keras.__version__
+    except ImportError:  # pragma: no cover - the legacy extra is installed
+        version = "none"
+    digest = hashlib.sha1(
+        text + version.encode() + " ".join(args).encode() + tag.encode()
+    ).hexdigest()[:12]
+    base = os.path.join(ROOT, ".pytest-fixtures")
+    os.makedirs(base, exist_ok=True)
+    name = os.path.splitext(os.path.basename(script))[0]
+    folder = os.path.join(base, f"{name}-{digest}")
+    with open(os.path.join(base, f".{name}.lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not os.path.exists(os.path.join(folder, "DONE")):
+            shutil.rmtree(folder, ignore_errors=True)
+            os.makedirs(folder)
+            run_python(script, folder, *args, backend="tensorflow",
+                       timeout=900, CUDA_VISIBLE_DEVICES="")
+            open(os.path.join(folder, "DONE"), "w").close()
+    return folder

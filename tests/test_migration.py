@@ -10,7 +10,6 @@ and the weights and EMA averages compared within 1e-6 (absolute plus
 relative).
 """
 
-import hashlib
 import json
 import os
 import re
@@ -27,6 +26,7 @@ from keras_ema_opt.savedmodel import model_from_config
 from conftest import BACKEND
 from conftest import ROOT
 from conftest import last_json
+from conftest import made_by_script
 from conftest import only_on
 from conftest import run_python
 from conftest import to_numpy
@@ -51,28 +51,9 @@ CASES = [f"{o}:{m}" for m in ("mlp", "conv", "embed") for o in NEW + LEGACY
          ] + [f"{o}:{m}" for m in ("nested", "rnn", "custom") for o in SPREAD]
 
 
-def _digest():
-    with open(SCRIPT, "rb") as f:
-        text = f.read()
-    import tf_keras
-
-    return hashlib.sha1(
-        text + tf_keras.__version__.encode() + " ".join(CASES).encode()
-    ).hexdigest()[:12]
-
-
 @pytest.fixture(scope="session")
 def artifacts():
-    """Made once per machine and script version (CI runs the backends in
-    turn over the same clone)."""
-    folder = os.path.join(ROOT, ".pytest-fixtures", "legacy-" + _digest())
-    done = os.path.join(folder, "DONE")
-    if not os.path.exists(done):
-        os.makedirs(folder, exist_ok=True)
-        run_python(SCRIPT, folder, *CASES, backend="tensorflow", timeout=900,
-                   CUDA_VISIBLE_DEVICES="")
-        open(done, "w").close()
-    return folder
+    return made_by_script(SCRIPT, CASES)
 
 
 def _user_model(folder):

@@ -50,6 +50,13 @@ REMOVED_ARGUMENTS = {
 # needs a "module"; Keras 2 SavedModel metadata records none.
 _SUBLAYER_KEYS = ("layer", "backward_layer", "cell", "cells")
 
+# Keras 3 class name -> {Keras 2 weight name: Keras 3 weight name}, for the
+# weights Keras 3 renamed (used when placing Keras 2 weights by name).
+RENAMED_WEIGHTS = {
+    "DepthwiseConv1D": {"depthwise_kernel": "kernel"},
+    "DepthwiseConv2D": {"depthwise_kernel": "kernel"},
+}
+
 
 def upgrade_model_config(config):
     """A copy of a Keras 2 model config that Keras 3 accepts.
@@ -62,6 +69,13 @@ def upgrade_model_config(config):
       ``_should_skip_first_node``), Keras 3 models have none (where Keras
       3 reads the model's outputs, it takes the one off itself for a
       ``Functional``, so only ``Sequential`` references move there);
+    - a Keras 2 dtype policy (``{"class_name": "Policy", ...}``) becomes
+      its name (``"mixed_bfloat16"``), which Keras 3 reads as its own;
+    - call arguments that are tensors (``MultiHeadAttention``'s
+      ``value=``, a ``mask=``), which Keras 2 wrote as ``[layer, node,
+      tensor]`` inside the kwargs of a node, become Keras 3 tensor
+      references (its dict node format), as Keras 3's reader of the list
+      format passes them on as plain lists;
     - wrapped layers and cells (``Bidirectional``, ``TimeDistributed``,
       ``RNN(cell=...)``) without a ``"module"`` get Keras' own, as the
       new-style deserializer needs.
@@ -86,6 +100,11 @@ def _upgrade(config, parent_key):
         out["module"] = "keras.layers"
     if isinstance(inner, dict) and isinstance(inner.get("layers"), list):
         _shift_nested_model_nodes(inner)
+    if isinstance(inner, dict) and _is_policy(inner.get("dtype")):
+        inner["dtype"] = inner["dtype"]["config"]["name"]
+    if isinstance(out.get("inbound_nodes"), list):
+        out["inbound_nodes"] = [_node_with_tensor_kwargs(node)
+                                for node in out["inbound_nodes"]]
     removed = REMOVED_ARGUMENTS.get(class_name)
     if removed and isinstance(inner, dict):
         for key, safe in removed.items():
@@ -152,3 +171,60 @@ def _shift_nested_model_nodes(graph):
     for key in ("input_layers", "output_layers"):
         if key in graph:
             graph[key] = fix(graph[key], sequential)
+
+
+def _is_policy(dtype):
+    return isinstance(dtype, dict) and dtype.get("class_name") in (
+        "Policy", "DTypePolicy", "PolicyV1") and isinstance(
+            dtype.get("config"), dict) and "name" in dtype["config"]
+
+
+def _is_tensor_ref(value):
+    return (isinstance(value, list) and len(value) in (3, 4)
+            and isinstance(value[0], str) and isinstance(value[1], int)
+            and isinstance(value[2], int)
+            and (len(value) == 3 or isinstance(value[3], dict)))
+
+
+def _has_tensor_ref(value):
+    if _is_tensor_ref(value):
+        return True
+    if isinstance(value, dict):
+        return any(_has_tensor_ref(v) for v in value.values())
+    if isinstance(value, list):
+        return any(_has_tensor_ref(v) for v in value)
+    return False
+
+
+def _tensor(ref):
+    # The shape and dtype are placeholders: Keras 3 replaces the tensor
+    # by the output of the node its history names.
+    return {"class_name": "__keras_tensor__",
+            "config": {"shape": [], "dtype": "float32",
+                       "keras_history": list(ref[:3])}}
+
+
+def _tensors_in(value):
+    if _is_tensor_ref(value):
+        return _tensor(value)
+    if isinstance(value, dict):
+        return {k: _tensors_in(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_tensors_in(v) for v in value]
+    return value
+
+
+def _node_with_tensor_kwargs(node):
+    """A Keras 2 node ``[[layer, node, tensor, kwargs], ...]`` whose kwargs
+    hold tensors, in Keras 3's ``{"args": ..., "kwargs": ...}`` form (the
+    same call: the inbound tensors as the first argument, the kwargs of
+    the last entry, as both Keras versions read them)."""
+    if not (isinstance(node, list) and node
+            and all(_is_tensor_ref(e) for e in node)):
+        return node
+    kwargs = node[-1][3] if len(node[-1]) == 4 else {}
+    if not _has_tensor_ref(kwargs):
+        return node
+    tensors = [_tensor(e) for e in node]
+    return {"args": [tensors[0] if len(tensors) == 1 else tensors],
+            "kwargs": _tensors_in(kwargs)}

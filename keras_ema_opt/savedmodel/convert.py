@@ -73,26 +73,40 @@ def assign_weights(record, model):
     """Put the record's weights into ``model``; returns ``{key: variable}``.
 
     Each Keras 2 weight goes to an unused Keras 3 variable of the same
-    shape whose path ends with its Keras 2 name (``d1/kernel`` ->
-    ``seq/d1/kernel``); colliding names are taken in model order. Weights
-    left over are then matched with the numeric suffixes of their path
-    parts set aside: Keras 2 numbered the names it made up itself (an RNN's
-    cell, ``lstm/lstm_cell_1/kernel``) per process, so they depend on what
-    else that process built; the names in the config do not.
+    shape, found by name, in passes from the strictest on (within a pass,
+    colliding names are taken in model order):
+
+    1. the Keras 3 path ends with the Keras 2 name (``d1/kernel`` ->
+       ``seq/d1/kernel``);
+    2. the same, with the numeric suffixes of the path parts below the
+       layer set aside: Keras 2 numbered the names it made up itself (an
+       RNN's cell, ``lstm/lstm_cell_1/kernel``) per process, so they
+       depend on what else that process built, while layer names come
+       from the config;
+    3. the same, with the weights Keras 3 renamed
+       (``compat.model_configs.RENAMED_WEIGHTS``: a depthwise
+       convolution's ``depthwise_kernel`` is its ``kernel``);
+    4. the same top-level layer of the model and weight name: wrappers
+       whose inner layer's weights Keras 2 named after the wrapper
+       (``time_distributed/kernel``; Keras 3 names them after the inner
+       layer, ``dense_4/kernel``).
 
     Raises:
         LegacyStateError: a weight with no place, or a model variable left
             without a value (both named, with shapes).
     """
     targets = list(model.weights)
+    names = {key: record.names.get(key, key).split("/")
+             for key in record.weights}
+    paths = _weight_paths(model)
     used = set()
     mapping = {}
-    for exact in (True, False):
+    for number in range(4):
         for key, value in record.weights.items():
             if key in mapping:
                 continue
-            name = record.names.get(key, key)
-            var = _match(name, np.shape(value), targets, used, exact)
+            var = _match(names[key], np.shape(value), targets, used,
+                         paths[number])
             if var is not None:
                 used.add(id(var))
                 mapping[key] = var
@@ -120,26 +134,62 @@ def assign_weights(record, model):
     return mapping
 
 
+def _weight_paths(model):
+    """Per pass of ``assign_weights``, a function: (Keras 2 name parts,
+    variable) -> whether they match."""
+    from keras_ema_opt.compat.model_configs import RENAMED_WEIGHTS
+
+    owner, top = {}, {}
+    for layer in model._flatten_layers(include_self=False, recursive=True):
+        for var in (list(getattr(layer, "_trainable_variables", []))
+                    + list(getattr(layer, "_non_trainable_variables", []))):
+            owner.setdefault(id(var), type(layer).__name__)
+    for layer in model.layers:
+        for var in layer.weights:
+            top.setdefault(id(var), layer.name)
+
+    def parts(var, rename):
+        path = var.path.split("/")
+        table = RENAMED_WEIGHTS.get(owner.get(id(var)), {}) if rename else {}
+        for old, new in table.items():
+            if path[-1] == new:
+                path = path[:-1] + [old]
+        return path
+
+    def exact(name, var):
+        path = parts(var, False)
+        return path[-len(name):] == name
+
+    def numbered(rename):
+        def match(name, var):
+            path = parts(var, rename)
+            if len(path) < len(name) or path[-len(name)] != name[0]:
+                return False
+            return [_unnumbered(p) for p in path[-len(name) + 1:]] == [
+                _unnumbered(p) for p in name[1:]]
+        return match
+
+    def wrapped(name, var):
+        return len(name) >= 2 and top.get(id(var)) == name[0] and (
+            parts(var, True)[-1] == name[-1])
+
+    return [exact, numbered(False), numbered(True), wrapped]
+
+
 _NUMBERED = re.compile(r"_\d+$")
 
 
-def _unnumbered(path):
-    return "/".join(_NUMBERED.sub("", part) for part in path.split("/"))
+def _unnumbered(part):
+    return _NUMBERED.sub("", part)
 
 
-def _match(name, shape, targets, used, exact=True):
-    if not exact:
-        name = _unnumbered(name)
-    suffix = None
+def _match(name, shape, targets, used, matches):
     for var in targets:
         if id(var) in used or tuple(var.shape) != tuple(shape):
             continue
-        path = var.path if exact else _unnumbered(var.path)
-        if path == name or path.split("/", 1)[-1] == name:
+        if matches(name, var):
             return var
-        if suffix is None and path.endswith("/" + name):
-            suffix = var
-    return suffix
+    return None
 
 
 def optimizer_from_record(record, custom_objects=None):

@@ -1,0 +1,125 @@
+"""Keras 2 model configs become Keras 3 models that compute the same.
+
+Models over the layers whose config or weights changed between Keras 2 and
+3 (``InputLayer``'s ``batch_input_shape``, convolutions, depthwise and
+separable ones, BatchNormalization fused and not, recurrent layers with
+masks, Bidirectional, TimeDistributed, MultiHeadAttention's tensor
+arguments, nested models as outputs, dtype policies) are made by real
+tf_keras (``tests/scripts/make_layer_artifacts.py``, in a subprocess),
+saved as ``.h5`` and SavedModel; migrated, each must predict what tf_keras
+predicted, with every weight placed.
+"""
+
+import json
+import os
+
+import h5py
+import numpy as np
+import pytest
+
+from keras_ema_opt.compat.model_configs import upgrade_model_config
+from keras_ema_opt.errors import LegacyConfigError
+from keras_ema_opt.savedmodel import load_legacy
+from keras_ema_opt.savedmodel import model_from_config
+from conftest import ROOT
+from conftest import made_by_script
+from conftest import to_numpy
+
+pytest.importorskip("tf_keras")
+
+SCRIPT = os.path.join(ROOT, "tests", "scripts", "make_layer_artifacts.py")
+MODELS = ["batch_input_shape", "convolutions", "normalization", "recurrent",
+          "attention", "nested_outputs", "mixed_precision"]
+FORMATS = {"h5": "model.h5", "savedmodel": "savedmodel"}
+
+
+@pytest.fixture(scope="session")
+def layer_artifacts():
+    return made_by_script(SCRIPT, MODELS)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("name", MODELS)
+def test_migrated_model_predicts_like_tf_keras(layer_artifacts, name, fmt):
+    folder = os.path.join(layer_artifacts, name)
+    io = np.load(os.path.join(folder, "io.npz"))
+    model = load_legacy(os.path.join(folder, FORMATS[fmt]))
+    assert len(model.weights) == int(io["n_weights"])
+    outputs = model.predict(io["x"], verbose=0)
+    outputs = outputs if isinstance(outputs, (list, tuple)) else [outputs]
+    expected = [io[k] for k in sorted(io.files) if k.startswith("y")]
+    assert len(outputs) == len(expected)
+    for got, want in zip(outputs, expected):
+        np.testing.assert_allclose(to_numpy(got).astype("float32"), want,
+                                   rtol=1e-5, atol=1e-5)
+
+
+def test_dtype_policy_comes_through(layer_artifacts):
+    model = load_legacy(os.path.join(layer_artifacts, "mixed_precision",
+                                     "model.h5"))
+    policies = [layer.dtype_policy.name for layer in model.layers[1:]]
+    assert policies == ["mixed_bfloat16", "mixed_bfloat16", "float32"]
+    assert model.layers[1].kernel.dtype == "float32"
+
+
+def _config(layer_artifacts, name):
+    with h5py.File(os.path.join(layer_artifacts, name, "model.h5"),
+                   "r") as f:
+        return json.loads(f.attrs["model_config"])
+
+
+def _layer(config, class_name):
+    return next(layer for layer in config["config"]["layers"]
+                if layer["class_name"] == class_name)
+
+
+@pytest.mark.parametrize("class_name,key,value,text", [
+    ("LSTM", "time_major", True, "'lstm' (LSTM) has time_major=True"),
+    ("BatchNormalization", "renorm", True,
+     "(BatchNormalization) has renorm=True"),
+    ("BatchNormalization", "virtual_batch_size", 4,
+     "has virtual_batch_size=4"),
+])
+def test_removed_argument_that_matters_is_refused(layer_artifacts, class_name,
+                                                  key, value, text):
+    model = "recurrent" if class_name == "LSTM" else "normalization"
+    config = _config(layer_artifacts, model)
+    _layer(config, class_name)["config"][key] = value
+    with pytest.raises(LegacyConfigError, match=text.replace("(", r"\(")
+                       .replace(")", r"\)")):
+        model_from_config(config)
+
+
+def test_removed_arguments_with_no_effect_are_dropped(layer_artifacts):
+    """``fused``, ``renorm=False`` and its companions, as Keras 2 versions
+    wrote them, are dropped; the model still builds."""
+    config = _config(layer_artifacts, "normalization")
+    removed = {"fused": True, "renorm": False, "renorm_clipping": None,
+               "renorm_momentum": 0.99, "virtual_batch_size": None,
+               "adjustment": None}
+    _layer(config, "BatchNormalization")["config"].update(removed)
+    upgraded = upgrade_model_config(config)
+    assert not set(removed) & set(
+        _layer(upgraded, "BatchNormalization")["config"])
+    assert _layer(config, "BatchNormalization")["config"]["fused"] is True
+    model_from_config(config)
+
+
+def test_tensor_call_arguments_become_keras3_references(layer_artifacts):
+    config = _config(layer_artifacts, "attention")
+    mha = _layer(config, "MultiHeadAttention")
+    ((entry,),) = mha["inbound_nodes"]
+    assert entry[3]["value"][0] == entry[0]  # Keras 2: [layer, node, tensor]
+    (node,) = _layer(upgrade_model_config(config),
+                     "MultiHeadAttention")["inbound_nodes"]
+    value = node["kwargs"]["value"]
+    assert value["class_name"] == "__keras_tensor__"
+    assert value["config"]["keras_history"] == entry[3]["value"][:3]
+    assert node["args"][0]["config"]["keras_history"] == entry[:3]
+
+
+def test_damaged_nested_node_reference_is_named(layer_artifacts):
+    config = _config(layer_artifacts, "nested_outputs")
+    config = json.loads(json.dumps(config).replace('["sub", 1, 0', '["sub", 0, 0'))
+    with pytest.raises(LegacyConfigError, match="nested model 'sub'"):
+        upgrade_model_config(config)
