@@ -203,7 +203,10 @@ def test_cli_migrate_writes_a_keras_file_that_resumes(artifacts, tmp_path,
     folder = os.path.join(artifacts, "rmsprop_ema-mlp")
     dst = str(tmp_path / "new.keras")
     assert main(["migrate", os.path.join(folder, "savedmodel"), dst]) == 0
-    assert "verifying" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "verifying" in err
+    # Weights, slots, EMA averages, counters: every tensor compared.
+    assert re.search(r"compared (\d+)/\1 tensors", err)
     model = keras.saving.load_model(dst)
     expected = np.load(os.path.join(folder, "expected.npz"))
     with open(os.path.join(folder, "info.json")) as f:
@@ -275,6 +278,27 @@ def _truncated_index(folder, tmp):
     return os.path.join(ckpt, "ckpt")
 
 
+def _truncated_zip(folder, tmp):
+    with open(os.path.join(folder, "model.keras"), "rb") as f:
+        data = f.read()
+    return _write(tmp / "truncated.keras", data[: len(data) // 2])
+
+
+def _zip_misfit(folder, tmp):
+    """A .keras zip whose config says 7 units where its weights have 5."""
+    import zipfile
+
+    src = os.path.join(folder, "model.keras")
+    dst = tmp / "misfit.keras"
+    with zipfile.ZipFile(src) as zin, zipfile.ZipFile(dst, "w") as zout:
+        for item in zin.namelist():
+            data = zin.read(item)
+            if item == "config.json":
+                data = data.replace(b'"units": 5', b'"units": 7')
+            zout.writestr(item, data)
+    return str(dst)
+
+
 def _missing_slot(folder, tmp):
     path = _copy(os.path.join(folder, "model.h5"), tmp / "missing.h5")
     with h5py.File(path, "r+") as f:
@@ -320,6 +344,12 @@ def _bad_table():
             f, t, "lambda.h5", model_config=_add_lambda), cfg, "safe_mode"),
         "not an artifact": (lambda f, t: _write(t / "nothing.bin", b"hello"),
                             fmt, "nothing.bin"),
+        "truncated .keras zip": (_truncated_zip, fmt, "truncated.keras"),
+        ".keras weights that do not fit": (
+            _zip_misfit, state, r"shape mismatch for layers/dense/vars/0"),
+        "custom class not given": (lambda f, t: os.path.join(
+            os.path.dirname(f), "adam_ema-custom", "model.h5"), cfg,
+            "Scale"),
     }
 
 
@@ -380,3 +410,82 @@ def test_bare_checkpoint_of_a_new_optimizer_needs_the_optimizer(artifacts):
     with pytest.raises(LegacyConfigError, match="stores only its learning"):
         keras_ema_opt.savedmodel.restore_checkpoint(
             model, os.path.join(folder, FORMATS["checkpoint"]))
+
+
+# ---------------------------------------------------------------------------
+# tf_keras .keras files, and the command line's --model / --custom-objects
+# ---------------------------------------------------------------------------
+
+KERAS_ZIP_CASES = [c for c in CASES if c.split(":")[0] in SPREAD]
+
+
+@pytest.mark.parametrize("case", KERAS_ZIP_CASES)
+def test_tf_keras_keras_file_gives_the_model_and_names_what_is_not_migrated(
+        artifacts, case):
+    """The model and its weights, exactly; the optimizer of its config with
+    a fresh state, and a warning naming the state left behind."""
+    folder = os.path.join(artifacts, case.replace(":", "-"))
+    expected = np.load(os.path.join(folder, "expected.npz"))
+    with open(os.path.join(folder, "info.json")) as f:
+        info = json.load(f)
+    with pytest.warns(UserWarning, match=r"optimizer state is not migrated"
+                      r".* \d+ variables") as caught:
+        model = load_legacy(os.path.join(folder, "model.keras"),
+                            custom_objects=CUSTOM_OBJECTS)
+    (message,) = [str(w.message) for w in caught
+                  if "not migrated" in str(w.message)]
+    assert ("EMA averages" in message) == ("ema" in case)
+    for i, name in enumerate(info["weights"]):
+        np.testing.assert_array_equal(to_numpy(_find(model, name)),
+                                      expected[f"before{i}"], err_msg=name)
+    assert int(to_numpy(model.optimizer.iterations)) == 0
+    with h5py.File(os.path.join(folder, "model.h5"), "r") as f:
+        optimizer = json.loads(f.attrs["training_config"])["optimizer_config"]
+    assert type(model.optimizer).__name__.replace("Legacy", "") == (
+        optimizer["class_name"].replace("Custom>", ""))
+
+
+def test_cli_custom_objects_module(artifacts, tmp_path, capsys):
+    from keras_ema_opt.cli import main
+
+    folder = os.path.join(artifacts, "adam_ema-custom")
+    dst = str(tmp_path / "new.keras")
+    assert main(["migrate", os.path.join(folder, "savedmodel"), dst]) == 1
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "LegacyConfigError" in err and "Scale" in err
+    assert os.listdir(tmp_path) == []
+    assert main(["migrate", os.path.join(folder, "savedmodel"), dst,
+                 "--custom-objects", "legacy_custom_objects"]) == 0
+    model = keras.saving.load_model(dst, custom_objects=CUSTOM_OBJECTS)
+    assert type(model.get_layer("scale")).__name__ == "Scale"
+    _continue_like_tf_keras(model, folder)
+
+
+def test_cli_model_function_for_a_bare_checkpoint(artifacts, tmp_path,
+                                                  capsys):
+    from keras_ema_opt.cli import main
+
+    folder = os.path.join(artifacts, "adam_ema-mlp")
+    src = os.path.join(folder, FORMATS["checkpoint"])
+    dst = str(tmp_path / "new.keras")
+    assert main(["migrate", src, dst]) == 1
+    assert "holds no model config" in capsys.readouterr().err
+    assert main(["migrate", src, dst, "--model", "nowhere"]) == 1
+    assert "--model takes module:function" in capsys.readouterr().err
+    assert main(["migrate", src, dst, "--model",
+                 "legacy_custom_objects:mlp_adam_ema"]) == 0
+    assert sorted(os.listdir(tmp_path)) == ["new.keras"]
+    _continue_like_tf_keras(keras.saving.load_model(dst), folder)
+
+
+def _continue_like_tf_keras(model, folder):
+    expected = np.load(os.path.join(folder, "expected.npz"))
+    with open(os.path.join(folder, "info.json")) as f:
+        info = json.load(f)
+    assert int(to_numpy(model.optimizer.iterations)) == info["iterations"] - 5
+    for i in range(5):
+        model.train_on_batch(expected[f"x{i}"], expected[f"y{i}"])
+    for i, name in enumerate(info["weights"]):
+        np.testing.assert_allclose(to_numpy(_find(model, name)),
+                                   expected[f"after{i}"], rtol=1e-6,
+                                   atol=1e-6, err_msg=name)

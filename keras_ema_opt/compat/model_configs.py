@@ -76,6 +76,10 @@ def upgrade_model_config(config):
       tensor]`` inside the kwargs of a node, become Keras 3 tensor
       references (its dict node format), as Keras 3's reader of the list
       format passes them on as plain lists;
+    - the layers of a model, and the model, written by tf_keras' ``.keras``
+      format with a Keras 2 ``"module"`` lose it, so that Keras 3 reads
+      them as the Keras 2 configs they are (its legacy reader converts
+      ``batch_input_shape`` and BatchNormalization's ``axis=[3]``);
     - wrapped layers and cells (``Bidirectional``, ``TimeDistributed``,
       ``RNN(cell=...)``) without a ``"module"`` get Keras' own, as the
       new-style deserializer needs.
@@ -100,6 +104,9 @@ def _upgrade(config, parent_key):
         out["module"] = "keras.layers"
     if isinstance(inner, dict) and isinstance(inner.get("layers"), list):
         _shift_nested_model_nodes(inner)
+        inner["layers"] = [_legacy_form(layer) for layer in inner["layers"]]
+    if parent_key is None:
+        out = _legacy_form(out)
     if isinstance(inner, dict) and _is_policy(inner.get("dtype")):
         inner["dtype"] = inner["dtype"]["config"]["name"]
     if isinstance(out.get("inbound_nodes"), list):
@@ -228,3 +235,19 @@ def _node_with_tensor_kwargs(node):
     tensors = [_tensor(e) for e in node]
     return {"args": [tensors[0] if len(tensors) == 1 else tensors],
             "kwargs": _tensors_in(kwargs)}
+
+
+def _legacy_form(layer):
+    """A layer config without the Keras 2 ``module`` / ``registered_name``
+    of tf_keras' ``.keras`` format (custom classes keep theirs)."""
+    if not isinstance(layer, dict):
+        return layer
+    module = layer.get("module")
+    if not isinstance(module, str) or not module.split(".")[0] in (
+            "keras", "tf_keras"):
+        return layer
+    out = dict(layer)
+    out.pop("module")
+    if out.get("registered_name") in (None, out.get("class_name")):
+        out.pop("registered_name", None)
+    return out

@@ -129,39 +129,55 @@ def load_legacy(path, custom_objects=None, safe_mode=True, model=None):
 
 
 def _load(path, custom_objects, safe_mode, model):
-    """(model, record, {record weight key: model variable})."""
+    """(model, record, {record weight key: model variable}, [(what,
+    optimizer variable, source value)])."""
     import keras
 
     record = readers.read(path)
-    if record.format == "keras_v2_zip" and model is None:
-        return _load_keras_zip(record, custom_objects, safe_mode), record, {}
+    if record.format == "keras_v2_zip":
+        return _load_keras_zip(record, custom_objects, safe_mode,
+                               model), record, {}, []
     if model is None:
         model = convert.build_model(record, custom_objects, safe_mode)
     elif callable(model) and not isinstance(model, keras.Model):
         model = model()
     mapping = convert.assign_weights(record, model)
     optimizer = getattr(model, "optimizer", None)
+    placed = []
     if record.optimizer is not None:
         if optimizer is None:
             optimizer = convert.optimizer_from_record(record, custom_objects)
-        convert.fill_optimizer(record, optimizer, mapping, model)
+        convert.fill_optimizer(record, optimizer, mapping, model, placed)
     if getattr(model, "optimizer", None) is None or not getattr(
             model, "compiled", False):
         model.compile(optimizer=optimizer or "rmsprop",
                       **convert.compile_arguments(record, custom_objects))
-    return model, record, mapping
+    return model, record, mapping, placed
 
 
-def _load_keras_zip(record, custom_objects, safe_mode):
+def _load_keras_zip(record, custom_objects, safe_mode, model):
+    """A tf_keras ``.keras`` file: the model and its weights, compiled with
+    a fresh optimizer from its config (the file keeps the optimizer's state
+    by position only: a warning names what is not migrated)."""
     import warnings
 
     import keras
 
-    model = keras.saving.load_model(record.path, custom_objects=custom_objects,
-                                    compile=False, safe_mode=safe_mode)
+    from keras_ema_opt.compat import configs
+
+    if model is None:
+        model = convert.build_model(record, custom_objects, safe_mode)
+    elif callable(model) and not isinstance(model, keras.Model):
+        model = model()
+    convert.assign_layout_weights(record, model)
     for message in record.warnings:
-        warnings.warn(message, stacklevel=3)
-    model.compile(optimizer="rmsprop",
+        warnings.warn(message, stacklevel=4)
+    if getattr(model, "compiled", False) and model.optimizer is not None:
+        return model
+    config = (record.training_config or {}).get("optimizer")
+    optimizer = (configs.from_legacy_config(config, custom_objects)
+                 if config else "rmsprop")
+    model.compile(optimizer=optimizer,
                   **convert.compile_arguments(record, custom_objects))
     return model
 
@@ -196,11 +212,45 @@ def migrate(src, dst, custom_objects=None, safe_mode=True, model=None,
 
     The file is written to a temporary name beside ``dst``, then (unless
     ``verify=False``) reloaded: every model and optimizer tensor is compared
-    with the migrated model and one forward pass runs; only then is it
-    renamed to ``dst``. On any failure no file is left at ``dst``.
+    with the migrated model and with the source artifact, and one forward
+    pass runs; only then is it renamed to ``dst``. On any failure no file
+    is left at ``dst``.
+
+    Args:
+        src, custom_objects, safe_mode, model: As for :func:`load_legacy`.
+        dst: The ``.keras`` file to write.
+        verify: Reload and compare before renaming (default).
+        progress: Called with a message at each stage; if it also has an
+            ``update(done, total)`` method, that is called while tensors
+            are compared (``keras-ema-opt migrate`` shows a counter).
 
     Returns:
         The migrated model.
+
+    Example:
+
+    ```python
+    import os
+    import tempfile
+
+    import numpy as np
+    import tf_keras  # Keras 2, only to make an artifact for this example
+
+    import keras
+    import keras_ema_opt
+
+    old = tf_keras.Sequential([tf_keras.Input((3,)),
+                               tf_keras.layers.Dense(2)])
+    old.compile(optimizer=tf_keras.optimizers.Adam(use_ema=True), loss="mse")
+    old.train_on_batch(np.ones((4, 3)), np.ones((4, 2)))
+    folder = tempfile.mkdtemp()
+    old.save(os.path.join(folder, "old.h5"))
+
+    keras_ema_opt.savedmodel.migrate(os.path.join(folder, "old.h5"),
+                                     os.path.join(folder, "new.keras"))
+    model = keras.saving.load_model(os.path.join(folder, "new.keras"))
+    assert int(model.optimizer.iterations) == 1
+    ```
     """
     import keras
 
@@ -211,7 +261,8 @@ def migrate(src, dst, custom_objects=None, safe_mode=True, model=None,
         raise InvalidArgumentError(
             f"The destination must be a .keras file. Received: {dst}")
     say(f"reading {src}")
-    migrated, record, mapping = _load(src, custom_objects, safe_mode, model)
+    migrated, record, mapping, placed = _load(src, custom_objects, safe_mode,
+                                              model)
     directory = os.path.dirname(os.path.abspath(dst))
     fd, tmp = tempfile.mkstemp(suffix=".keras", dir=directory,
                                prefix=".migrate-")
@@ -220,11 +271,12 @@ def migrate(src, dst, custom_objects=None, safe_mode=True, model=None,
         say(f"writing {dst}")
         migrated.save(tmp)
         if verify:
-            say("verifying: reload, compare every tensor, one forward pass")
+            say("verifying: reload, compare every tensor with the model "
+                "and the source, one forward pass")
             reloaded = keras.saving.load_model(
                 tmp, custom_objects=custom_objects, safe_mode=safe_mode)
-            verify_same(migrated, reloaded)
-            _verify_source(record, mapping, migrated, reloaded)
+            verify_same(migrated, reloaded, progress)
+            _verify_source(record, mapping, placed, migrated, reloaded)
         umask = os.umask(0)
         os.umask(umask)
         os.chmod(tmp, 0o666 & ~umask)
@@ -236,7 +288,7 @@ def migrate(src, dst, custom_objects=None, safe_mode=True, model=None,
     return migrated
 
 
-def verify_same(expected, actual):
+def verify_same(expected, actual, progress=None):
     """Every weight and optimizer variable equal, and a forward pass runs.
 
     Raises:
@@ -257,33 +309,46 @@ def verify_same(expected, actual):
         raise LegacyStateError(
             "The written .keras file does not hold the same number of "
             "variables as the migrated model.")
-    for a, b in pairs:
+    update = getattr(progress, "update", None)
+    for done, (a, b) in enumerate(pairs, 1):
         x = np.asarray(ops.convert_to_numpy(a))
         y = np.asarray(ops.convert_to_numpy(b))
         if x.shape != y.shape or not np.array_equal(x, y):
             raise LegacyStateError(
                 f"{a.path} differs after writing and reloading the .keras "
                 "file.")
+        if update is not None:
+            update(done, len(pairs))
     inputs = [np.zeros([1 if d is None else d for d in t.shape],
                        dtype=_dtype(t)) for t in actual.inputs]
     actual.predict(inputs if len(inputs) > 1 else inputs[0], verbose=0)
 
 
-def _verify_source(record, mapping, migrated, reloaded):
-    """The reloaded weights equal the source artifact's, tensor by tensor."""
+def _verify_source(record, mapping, placed, migrated, reloaded):
+    """The reloaded weights and optimizer state equal the source
+    artifact's, tensor by tensor."""
     from keras import ops
 
     from keras_ema_opt.errors import LegacyStateError
 
-    position = {id(v): i for i, v in enumerate(migrated.weights)}
-    for key, var in mapping.items():
-        got = np.asarray(ops.convert_to_numpy(
-            reloaded.weights[position[id(var)]]))
-        want = np.asarray(record.weights[key]).astype(got.dtype)
+    def check(got, want, what):
+        got = np.asarray(ops.convert_to_numpy(got))
+        want = np.asarray(want).astype(got.dtype)
         if got.shape != want.shape or not np.array_equal(got, want):
             raise LegacyStateError(
-                f"{record.path}: weight {key!r} differs from the source "
-                "after writing and reloading.")
+                f"{record.path}: {what} differs from the source after "
+                "writing and reloading.")
+
+    position = {id(v): i for i, v in enumerate(migrated.weights)}
+    for key, var in mapping.items():
+        check(reloaded.weights[position[id(var)]], record.weights[key],
+              f"weight {key!r}")
+    if not placed:
+        return
+    position = {id(v): i for i, v in enumerate(migrated.optimizer.variables)}
+    for what, var, value in placed:
+        check(reloaded.optimizer.variables[position[id(var)]], value,
+              f"optimizer state {what}")
 
 
 def _dtype(tensor):

@@ -134,6 +134,63 @@ def assign_weights(record, model):
     return mapping
 
 
+def assign_layout_weights(record, model):
+    """Put a tf_keras ``.keras`` file's weights into ``model`` by their
+    place in Keras' weights-file layout (``layers/dense/vars/0``), which
+    Keras 3 shares: the layout of ``model`` must hold the same keys with
+    the same shapes, and after loading every tensor is compared with the
+    source.
+
+    Raises:
+        LegacyStateError: a key or shape that differs (named), or a tensor
+            that did not arrive.
+    """
+    import os
+    import tempfile
+
+    import h5py
+
+    def layout(path):
+        out = {}
+
+        def visit(name, obj):
+            if hasattr(obj, "shape") and name.split("/")[0] not in (
+                    "optimizer", "metrics"):
+                out[name] = np.asarray(obj)
+        with h5py.File(path, "r") as f:
+            f.visititems(visit)
+        return out
+
+    with tempfile.TemporaryDirectory() as tmp:
+        probe = os.path.join(tmp, "layout.weights.h5")
+        model.save_weights(probe)
+        wanted = layout(probe)
+        extra = sorted(set(record.weights) - set(wanted))
+        missing = sorted(set(wanted) - set(record.weights))
+        if extra or missing:
+            raise LegacyStateError(
+                f"{record.path}: the weights do not fit the Keras 3 model's "
+                f"layout: in the file only {extra[:4]}, in the model only "
+                f"{missing[:4]}.")
+        for key, value in wanted.items():
+            if value.shape != np.shape(record.weights[key]):
+                raise LegacyStateError(
+                    f"{record.path}: shape mismatch for {key}: the Keras 3 "
+                    f"model has {value.shape}, the file "
+                    f"{np.shape(record.weights[key])}.")
+        source = os.path.join(tmp, "source.weights.h5")
+        with h5py.File(source, "w") as f:
+            for key, value in record.weights.items():
+                f.create_dataset(key, data=np.asarray(value))
+        model.load_weights(source)
+        model.save_weights(probe)
+        for key, value in layout(probe).items():
+            want = np.asarray(record.weights[key]).astype(value.dtype)
+            if not np.array_equal(value, want):
+                raise LegacyStateError(
+                    f"{record.path}: {key} differs after loading.")
+
+
 def _weight_paths(model):
     """Per pass of ``assign_weights``, a function: (Keras 2 name parts,
     variable) -> whether they match."""
@@ -237,17 +294,24 @@ def optimizer_from_record(record, custom_objects=None):
          "config": config}, custom_objects)
 
 
-def fill_optimizer(record, optimizer, mapping, model):
+def fill_optimizer(record, optimizer, mapping, model, placed=None):
     """Build ``optimizer`` on ``model``'s trainable variables and assign the
-    record's optimizer state into it."""
+    record's optimizer state into it. ``placed``, a list, receives
+    ``(what, variable, value)`` for every tensor taken from the record (for
+    verifying a written file against the source)."""
+    placed = [] if placed is None else placed
     state = record.optimizer
     inner = getattr(optimizer, "inner_optimizer", optimizer)
     if not optimizer.built:
         optimizer.build(model.trainable_variables)
     inner.iterations.assign(int(state.iterations))
+    placed.append(("iterations", inner.iterations,
+                   np.asarray(int(state.iterations))))
     lr = state.learning_rate
     if lr is not None and isinstance(inner._learning_rate, keras.Variable):
         inner._learning_rate.assign(float(np.asarray(lr)))
+        placed.append(("learning rate", inner._learning_rate,
+                       np.asarray(lr, dtype="float32")))
     table = slot_tables.SLOT_ATTRIBUTES.get(type(inner).__name__, {})
     averager = getattr(inner, "_averager", None)
     missed = []
@@ -261,6 +325,7 @@ def fill_optimizer(record, optimizer, mapping, model):
                 missed.append(what)
                 continue
             _assign(averager.slots[index][0], slot.value, what, record)
+            placed.append((what, averager.slots[index][0], slot.value))
             continue
         if _unused_buffer(inner, slot.slot):
             continue
@@ -272,6 +337,7 @@ def fill_optimizer(record, optimizer, mapping, model):
                 missed.append(what)
             continue  # tf_keras' all-zero SGD `m` with momentum 0
         _assign(target[index], slot.value, what, record)
+        placed.append((what, target[index], slot.value))
     if missed:
         raise LegacyStateError(
             f"{record.path}: {type(inner).__name__} built from the config has "

@@ -532,17 +532,30 @@ def read_keras_zip(path):
     record.training_config = config.get("compile_config")
     with h5py.File(io.BytesIO(blob), "r") as f:
         _collect_zip_weights(f, record)
+        group = f.get("optimizer/vars")
+        dropped = len(group) if group is not None else 0
+    optimizer = (record.training_config or {}).get("optimizer") or {}
+    name = optimizer.get("class_name", "optimizer") if isinstance(
+        optimizer, dict) else str(optimizer)
+    ema = isinstance(optimizer, dict) and (
+        optimizer.get("config") or {}).get("use_ema")
     record.warnings.append(
-        "tf_keras .keras files keep the new optimizer's variables by "
-        "position only and no state at all for OptimizerV2: the optimizer "
-        "state is not migrated from this format (use the SavedModel, h5 or "
-        "a checkpoint).")
+        f"{path}: the optimizer state is not migrated from a tf_keras "
+        f".keras file: it keeps the {name} optimizer's {dropped} variables "
+        f"(iterations, learning rate, slots{', EMA averages' if ema else ''}"
+        ") by position only, with no names to place them by. The model is "
+        f"compiled with a fresh {name} from its config; to resume training "
+        "exactly, migrate the SavedModel, h5 or a checkpoint of the same "
+        "model.")
     return record
 
 
 def _collect_zip_weights(f, record):
+    # The model's weights by their place in Keras' file layout
+    # (``layers/dense/vars/0``); the optimizer's and metrics' are not.
     def visit(name, obj):
-        if hasattr(obj, "shape") and "optimizer" not in name.split("/")[:1]:
+        if hasattr(obj, "shape") and name.split("/")[0] not in (
+                "optimizer", "metrics"):
             record.weights[name] = np.asarray(obj)
             record.names[name] = name
     f.visititems(visit)

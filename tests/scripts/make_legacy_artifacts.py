@@ -10,7 +10,8 @@ Usage: make_legacy_artifacts.py OUT_DIR CASE... ; CASE = opt:model where opt
 is a key of OPTIMIZERS and model one of mlp, conv, embed, nested
 (a Sequential and a functional model inside a functional model), rnn (Bidirectional GRU), custom
 (a custom layer class). Writes
-OUT_DIR/<case>/{savedmodel/, model.h5, ckpt/, weights/, expected.npz} and
+OUT_DIR/<case>/{savedmodel/, model.h5, ckpt/, weights/, model.keras,
+expected.npz} and
 OUT_DIR/<case>/info.json. Without tf_keras it uses tf.keras (Keras 2 in
 TensorFlow <= 2.15).
 """
@@ -193,6 +194,8 @@ def make(out, case):
     tf.train.Checkpoint(model=model, optimizer=model.optimizer).write(
         os.path.join(folder, "ckpt", "ckpt"))
     model.save_weights(os.path.join(folder, "weights", "w"), save_format="tf")
+    if hasattr(k2.saving, "save_model"):  # the .keras zip, Keras 2.13 on
+        model.save(os.path.join(folder, "model.keras"))
     before = [w.numpy() for w in model.weights]
     for x, y in batches[STEPS_BEFORE:]:
         model.train_on_batch(x, y)
