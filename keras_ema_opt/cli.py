@@ -70,13 +70,32 @@ def _custom_objects(spec):
     return dict(objects)
 
 
+class _Progress:
+    """Stage messages on stderr, and a tensor counter while verifying
+    (redrawn in place on a terminal, one final line otherwise)."""
+
+    def __init__(self, quiet=False, stream=None):
+        self.quiet = quiet
+        self.stream = stream or sys.stderr
+        self.live = self.stream.isatty()
+
+    def __call__(self, message):
+        if not self.quiet:
+            print(f"keras-ema-opt migrate: {message}", file=self.stream,
+                  flush=True)
+
+    def update(self, done, total):
+        if self.quiet or not (self.live or done == total):
+            return
+        end = "\n" if done == total else ""
+        print(f"\rkeras-ema-opt migrate: compared {done}/{total} tensors",
+              end=end, file=self.stream, flush=True)
+
+
 def _migrate(args):
     from keras_ema_opt import savedmodel
 
-    def say(message):
-        if not args.quiet:
-            print(f"keras-ema-opt migrate: {message}", file=sys.stderr,
-                  flush=True)
+    say = _Progress(args.quiet)
 
     try:
         model = _load_attr(args.model, "--model") if args.model else None
