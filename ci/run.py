@@ -10,7 +10,8 @@ Only a Python >= 3.10 with ``venv`` is needed. The environment lives in
 or ``ci/constraints.txt`` change. The test command runs pytest in a separate
 process per backend (``KERAS_BACKEND=jax|tensorflow|torch``) and ends with one
 line ``N passed, N failed, N skipped``; its exit status is non-zero when any
-test failed or a backend's run broke.
+test failed or a backend's run broke. Two backends run at a time
+(``--jobs``): most of a test's time is single-threaded Python.
 """
 
 import argparse
@@ -83,28 +84,44 @@ def count(junit):
     return total - failed - skipped, failed, skipped
 
 
-def run_tests(python, backends, pytest_args):
+def run_tests(python, backends, pytest_args, jobs=1):
+    """pytest once per backend, ``jobs`` of them at a time (each in its own
+    process, its output kept in ``.ci-results/<backend>.log`` and printed
+    when it ends); the last line sums them up."""
     results = ROOT / ".ci-results"
     results.mkdir(exist_ok=True)
     passed = failed = skipped = 0
     broken = []
-    for backend in backends:
-        junit = results / f"{backend}.xml"
-        junit.unlink(missing_ok=True)
-        log(f"pytest, KERAS_BACKEND={backend}")
-        start = time.monotonic()
-        code = subprocess.run(
-            [str(python), "-m", "pytest", "tests", "-p", "no:cacheprovider",
-             f"--junitxml={junit}", *pytest_args],
-            cwd=ROOT,
-            env=backend_env(backend),
-        ).returncode
-        p, f, s = count(junit)
-        log(f"{backend}: {p} passed, {f} failed, {s} skipped "
-            f"in {time.monotonic() - start:.0f}s (pytest exit {code})")
-        if code not in (0, 1) or (code == 1 and f == 0):
-            broken.append(backend)
-        passed, failed, skipped = passed + p, failed + f, skipped + s
+    pending = list(backends)
+    running = {}
+    while pending or running:
+        while pending and len(running) < max(1, jobs):
+            backend = pending.pop(0)
+            junit = results / f"{backend}.xml"
+            junit.unlink(missing_ok=True)
+            log_file = open(results / f"{backend}.log", "w")
+            log(f"pytest, KERAS_BACKEND={backend}")
+            proc = subprocess.Popen(
+                [str(python), "-m", "pytest", "tests", "-p", "no:cacheprovider",
+                 f"--junitxml={junit}", *pytest_args],
+                cwd=ROOT, env=backend_env(backend), stdout=log_file,
+                stderr=subprocess.STDOUT)
+            running[backend] = (proc, log_file, time.monotonic())
+        time.sleep(1)
+        for backend, (proc, log_file, start) in list(running.items()):
+            code = proc.poll()
+            if code is None:
+                continue
+            del running[backend]
+            log_file.close()
+            print((results / f"{backend}.log").read_text(), end="",
+                  flush=True)
+            p, f, s = count(results / f"{backend}.xml")
+            log(f"{backend}: {p} passed, {f} failed, {s} skipped "
+                f"in {time.monotonic() - start:.0f}s (pytest exit {code})")
+            if code not in (0, 1) or (code == 1 and f == 0):
+                broken.append(backend)
+            passed, failed, skipped = passed + p, failed + f, skipped + s
     if broken:
         log(f"pytest broke before reporting on: {', '.join(broken)}")
         failed += len(broken)
@@ -120,11 +137,16 @@ def main(argv=None):
         "--backends", default=",".join(BACKENDS),
         help="comma-separated Keras backends (default: all three)",
     )
+    parser.add_argument(
+        "--jobs", type=int, default=min(2, os.cpu_count() or 1),
+        help="backends tested at the same time (default: 2, or 1 on one "
+        "core)",
+    )
     args, rest = parser.parse_known_args(argv)
     python = ensure_venv(args.venv.resolve())
     backends = [b for b in args.backends.split(",") if b]
     if args.command == "test":
-        return run_tests(python, backends, rest)
+        return run_tests(python, backends, rest, args.jobs)
     if args.command == "demo":
         backend = os.environ.get("KERAS_BACKEND", "jax")
         log(f"keras-ema-opt demo, KERAS_BACKEND={backend}")

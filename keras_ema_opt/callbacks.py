@@ -12,11 +12,11 @@
 """
 
 import os
-import tempfile
 
 import keras
 
 from keras_ema_opt import backend
+from keras_ema_opt import distributed
 from keras_ema_opt.errors import InvalidArgumentError
 
 
@@ -128,7 +128,9 @@ class AveragedCheckpoint(keras.callbacks.Callback):
     The file holds the averaged weights in the model and the full optimizer
     state (raw weights are restored in memory right after). Writing goes to
     a temporary file in the same folder, renamed into place, so a crash
-    never leaves a partial file.
+    never leaves a partial file. In a multi-process run only the chief
+    (rank 0, JAX process 0, the chief worker) writes; the averages are the
+    same on every process.
 
     Args:
         filepath: Path ending in ``.keras``; may hold ``{epoch}`` and log
@@ -178,17 +180,13 @@ class AveragedCheckpoint(keras.callbacks.Callback):
             return
         optimizer = _averaging_optimizer(self.model, "AveragedCheckpoint")
         path = self.filepath.format(epoch=epoch + 1, **(logs or {}))
-        folder = os.path.dirname(os.path.abspath(path))
-        os.makedirs(folder, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(suffix=".keras", dir=folder)
-        os.close(fd)
-        try:
-            with optimizer.swap_average(self.model, self.slot):
-                self.model.save(tmp)
-            os.replace(tmp, path)
-        finally:
-            if os.path.exists(tmp):
-                os.remove(tmp)
+        # Every process swaps (on JAX, placing a global array is a
+        # collective step); only the chief writes.
+        chief = backend.is_chief()
+        with optimizer.swap_average(self.model, self.slot):
+            distributed.save_on_chief(self.model, path)
+        if not chief:
+            return
         self.saved.append(path)
 
 
@@ -248,4 +246,6 @@ class PowerEMASnapshots(keras.callbacks.Callback):
         if due > self._done:
             self._done = due
             backend.sync_training_state(self.model)
-            self.written.append(self._optimizer.save_snapshot())
+            path = self._optimizer.save_snapshot()
+            if path is not None:  # None: not the chief of a multi-process run
+                self.written.append(path)

@@ -334,6 +334,7 @@ class Optimizer(backend.OptimizerHooks, keras.optimizers.Optimizer):
         self._jit_compile_requested = bool(jit_compile)
         self.jit_compile = backend.resolve_jit_compile(jit_compile)
         self._gradients_aggregated = False
+        backend.on_create(self)
 
     def get_config(self):
         config = super().get_config()
@@ -586,18 +587,30 @@ class Optimizer(backend.OptimizerHooks, keras.optimizers.Optimizer):
         opt = keras_ema_opt.SGD(learning_rate=0.5)
         opt.minimize(lambda: w * w, [w])  # w: 3 - 0.5 * 6 = 0.0
         ```
+
+        With a list of variables the optimizer is built before the loss is
+        computed, so that under ``torch.distributed`` rank 0's weights
+        reach every rank before the first gradient (as DDP's wrapping).
         """
+        if not self.built and not callable(var_list):
+            var_list = list(var_list)
+            with keras.name_scope(self.name, caller=self):
+                self.build(var_list)
+            self.built = True
         grads_and_vars = self.compute_gradients(loss, var_list, tape)
         return self.apply_gradients(grads_and_vars)
 
     def aggregate_gradients(self, grads_and_vars):
-        """Sum gradients over replicas (identity outside a distribution).
+        """Aggregate gradients over replicas (identity outside a
+        distribution).
 
         On TensorFlow: the sum over the replicas of the current
-        ``tf.distribute`` strategy; on PyTorch: over the ranks of a running
-        ``torch.distributed`` process group; on JAX gradients of a
-        distributed step are already global. Override it to aggregate
-        differently.
+        ``tf.distribute`` strategy (Keras 2: its losses are scaled by the
+        number of replicas); on PyTorch: the mean over the ranks of a
+        running ``torch.distributed`` process group (DDP's convention: each
+        rank's loss is the mean over its share of the batch); on JAX
+        gradients of a distributed step are already global. Override it to
+        aggregate differently. See ``docs/distributed-*.md``.
 
         Returns:
             A list of ``(gradient, variable)`` pairs.
@@ -650,7 +663,12 @@ class Optimizer(backend.OptimizerHooks, keras.optimizers.Optimizer):
 
     def apply(self, grads, trainable_variables=None):
         """Keras 3's ``apply``, with sparse duplicate indices summed first
-        and OptimizerV2's ``gradient_transformers`` applied in order."""
+        and OptimizerV2's ``gradient_transformers`` applied in order.
+
+        Under ``torch.distributed`` the gradients of a step that did not
+        come through ``apply_gradients`` (``fit()``'s) are first reduced to
+        their mean over the ranks (``backend.step_gradients``)."""
+        grads = backend.step_gradients(self, list(grads))
         grads = backend.prepare_gradients(grads)
         if self.gradient_transformers:
             variables = (
@@ -679,6 +697,7 @@ class Optimizer(backend.OptimizerHooks, keras.optimizers.Optimizer):
         """
         if self.built:
             return
+        backend.sync_initial_state(self, variables)
         averager = None
         if self.averaging is not None:
             extras, model = (), None
@@ -886,7 +905,8 @@ class Optimizer(backend.OptimizerHooks, keras.optimizers.Optimizer):
         custom loop calls this every ``snapshot_every`` steps.
 
         Returns:
-            The path of the snapshot file.
+            The path of the snapshot file; ``None`` on a process that is
+            not the chief of a multi-process run (the chief writes it).
         """
         return self._require_averages("save_snapshot").save_snapshot(
             self, directory

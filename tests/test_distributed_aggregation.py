@@ -1,6 +1,6 @@
 """aggregate_gradients and skip_gradients_aggregation as real multi-replica
-runs: tf.distribute MirroredStrategy on two logical CPUs (tf_keras beside it
-as the oracle) and two torch.distributed gloo processes on localhost."""
+runs: tf.distribute MirroredStrategy (the sum over replicas, Keras 2) on two logical CPUs (tf_keras beside it
+as the oracle) and two torch.distributed gloo processes on localhost (the mean over ranks)."""
 
 import json
 import socket
@@ -39,14 +39,15 @@ def test_mirrored_strategy_sums_replicas_like_tf_keras():
 
 
 @only_on("torch")
-def test_torch_distributed_sums_ranks(tmp_path):
+def test_torch_distributed_averages_ranks(tmp_path):
     _run("torch_gloo_aggregation.py", str(_free_port()), str(tmp_path),
          backend="torch")
     results = [json.loads(p.read_text()) for p in tmp_path.glob("rank*.json")]
     assert sorted(r["rank"] for r in results) == [0, 1]
     for r in results:
-        assert r["default_aggregate"] == [3.0, 3.0]
-        assert r["default"] == [-3.0, -3.0]
+        # The mean over the ranks ((1 + 2) / 2), DDP's convention.
+        assert r["default_aggregate"] == [1.5, 1.5]
+        assert r["default"] == [-1.5, -1.5]
         assert r["default_input"] == [float(r["rank"] + 1)] * 2
         # Skipped: each rank applies its own gradient.
         assert r["skip"] == [-(r["rank"] + 1.0)] * 2

@@ -277,6 +277,8 @@ class Averager:
             for index, slot in enumerate(slots):
                 arrays[f"{index}/{name}"] = ops.convert_to_numpy(slot.value)
         step = int(ops.convert_to_numpy(optimizer.iterations))
+        if not backend.is_chief():
+            return None  # the chief writes the same averages
         return posthoc.write_snapshot(
             directory, step, strategy.gammas, strategy.every, arrays
         )

@@ -25,6 +25,18 @@ here. Each backend module provides the same set:
   even while a step is being traced.
 - ``value_visible(variable)``: whether the running step reads the current
   value of a model variable it was not handed (JAX stateless steps do not).
+- ``step_gradients(optimizer, grads)``: the gradients an optimizer step
+  applies, reduced over the replicas where the backend's own step does not
+  do it (the mean over the ranks of ``torch.distributed``).
+- ``sync_initial_state(optimizer, variables)``: make every replica start
+  from the same variables before the optimizer state is built (broadcast
+  from rank 0 under ``torch.distributed``).
+- ``on_create(optimizer)``: called when an optimizer is made (TensorFlow:
+  under a multi-worker strategy, make Keras' ``fit()`` work there).
+- ``chief_only_scope()``: a context for work the chief does alone
+  (``model.save``; JAX: no global arrays are made meanwhile).
+- ``is_chief()``: whether this process is the one that writes files
+  (rank 0, process 0, the chief worker).
 - ``attach_model(optimizer, model)``: let ``fit()`` on ``model`` feed the
   model's new non-trainable values to the averaging (JAX wraps the model's
   ``train_step``; a no-op elsewhere).
@@ -62,6 +74,11 @@ sync_training_state = _impl.sync_training_state
 value_visible = _impl.value_visible
 current_value = _impl.current_value
 attach_model = _impl.attach_model
+step_gradients = _impl.step_gradients
+sync_initial_state = _impl.sync_initial_state
+is_chief = _impl.is_chief
+on_create = _impl.on_create
+chief_only_scope = _impl.chief_only_scope
 
 __all__ = [
     "NAME",
@@ -78,4 +95,9 @@ __all__ = [
     "value_visible",
     "current_value",
     "attach_model",
+    "step_gradients",
+    "sync_initial_state",
+    "is_chief",
+    "on_create",
+    "chief_only_scope",
 ]

@@ -68,3 +68,31 @@ def prepare_gradients(grads):
 def sync_training_state(model):
     """Nothing to do where variables are always current."""
     del model
+
+
+def step_gradients(optimizer, grads):
+    """Gradients as the step receives them (no replicas to reduce over, or
+    the backend reduces them itself)."""
+    del optimizer
+    return grads
+
+
+def sync_initial_state(optimizer, variables):
+    """Nothing to do where every replica starts from the same values."""
+    del optimizer, variables
+
+
+def is_chief():
+    """Whether this process writes files (always, outside a multi-process
+    run)."""
+    return True
+
+
+def on_create(optimizer):
+    """Nothing to prepare when an optimizer is made."""
+    del optimizer
+
+
+def chief_only_scope():
+    """A context for work the chief does alone (nothing to arrange)."""
+    return contextlib.nullcontext()

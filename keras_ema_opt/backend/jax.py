@@ -1,5 +1,7 @@
 """JAX hooks: a jitted, donating eager step and stateless gradients."""
 
+import contextlib
+
 import jax
 import jax.numpy as jnp
 from keras.src.backend.common.stateless_scope import StatelessScope
@@ -14,6 +16,9 @@ colocate_with = _common.no_placement
 assign_copy = _common.assign_copy
 current_value = _common.current_value
 prepare_gradients = _common.prepare_gradients
+step_gradients = _common.step_gradients
+sync_initial_state = _common.sync_initial_state
+on_create = _common.on_create
 
 
 class OptimizerHooks:
@@ -199,3 +204,27 @@ def sync_training_state(model):
     sync = getattr(model, "jax_state_sync", None)
     if sync is not None and getattr(model, "_jax_state", None) is not None:
         sync()
+
+
+@contextlib.contextmanager
+def chief_only_scope():
+    """Work the chief does alone (``model.save``): Keras creates variables
+    while saving, which under a multi-process distribution would be global
+    arrays, placed collectively by every process. They are made local for
+    the duration."""
+    from keras.src.distribution import distribution_lib
+
+    current = distribution_lib.distribution()
+    if current is None or jax.process_count() == 1:
+        yield
+        return
+    distribution_lib.set_distribution(None)
+    try:
+        yield
+    finally:
+        distribution_lib.set_distribution(current)
+
+
+def is_chief():
+    """Process 0 of a multi-process JAX run (``jax.distributed``)."""
+    return jax.process_index() == 0

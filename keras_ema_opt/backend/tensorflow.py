@@ -10,6 +10,11 @@ keras_optimizer_class = _common.keras_optimizer_class
 value_visible = _common.value_visible
 attach_model = _common.attach_model
 sync_training_state = _common.sync_training_state
+# Keras' TensorFlow step all-reduces inside `_backend_update_step`, and
+# tf.distribute creates mirrored variables with the same initial values.
+step_gradients = _common.step_gradients
+sync_initial_state = _common.sync_initial_state
+chief_only_scope = _common.chief_only_scope
 
 
 class OptimizerHooks:
@@ -126,3 +131,91 @@ def current_value(variable):
     with tf.init_scope():
         return tf.identity(_tf_variable(variable).read_value())
 
+
+
+def is_chief():
+    """The chief of a multi-worker run (the ``chief`` task, else worker 0,
+    as Keras 2's ``_is_chief``), read from the current strategy's cluster
+    resolver, else from ``TF_CONFIG``; always, outside a multi-worker run."""
+    resolver = getattr(tf.distribute.get_strategy(), "cluster_resolver",
+                       None)
+    if resolver is None or resolver.task_type is None:
+        resolver = tf.distribute.cluster_resolver.TFConfigClusterResolver()
+    cluster = resolver.cluster_spec().as_dict()
+    if sum(len(tasks) for tasks in cluster.values()) <= 1:
+        return True
+    task_type, task_id = resolver.task_type, resolver.task_id
+    if task_type in (None, "chief"):
+        return True
+    return task_type == "worker" and task_id == 0 and "chief" not in cluster
+
+
+# ---------------------------------------------------------------------------
+# MultiWorkerMirroredStrategy and Keras 3's `fit()`
+# ---------------------------------------------------------------------------
+#
+# Keras 3.15's TensorFlow trainer cannot run `fit()` under a collective
+# multi-worker strategy: before the first step it `strategy.reduce`s a
+# distributed input batch in eager mode (which a collective strategy cannot
+# turn into a tensor), and each step reduces scalar logs with `axis=0`
+# (which a scalar has not). Both break for any model and optimizer. When an
+# optimizer of ours is made under such a strategy, the two functions are
+# wrapped once: under a multi-worker strategy the symbolic build uses the
+# local shape-only value and the scalar logs are averaged over replicas
+# with `axis=None`; anywhere else the originals run. docs/distributed-
+# tensorflow.md tells the story.
+
+_FIXED = []
+
+
+def on_create(optimizer):
+    """An optimizer made under a multi-worker strategy: make ``fit()``
+    work there (see above)."""
+    del optimizer
+    if _multi_worker(tf.distribute.get_strategy()):
+        _fix_multi_worker_fit()
+
+
+def _multi_worker(strategy):
+    extended = getattr(strategy, "extended", None)
+    in_multi_worker = getattr(extended, "_in_multi_worker_mode", None)
+    return bool(in_multi_worker and in_multi_worker())
+
+
+def _fix_multi_worker_fit():
+    if _FIXED:
+        return
+    from keras.src.backend.tensorflow import trainer as tf_trainer
+
+    cls = tf_trainer.TensorFlowTrainer
+    original_build = cls._maybe_symbolic_build
+    original_reduce = tf_trainer.reduce_per_replica
+
+    def _maybe_symbolic_build(self, iterator=None, data_batch=None):
+        strategy = self._distribute_strategy
+        if iterator is None or strategy is None or not _multi_worker(
+                strategy):
+            return original_build(self, iterator, data_batch)
+        for _, _, it in iterator:
+            data_batch = tf.nest.map_structure(
+                lambda v: strategy.experimental_local_results(v)[0]
+                if isinstance(v, tf.distribute.DistributedValues) else v,
+                next(it))
+            break
+        with strategy.scope():
+            self._symbolic_build(data_batch=data_batch)
+
+    def reduce_per_replica(values, strategy, reduction):
+        if reduction not in ("auto", "mean") or not _multi_worker(strategy):
+            return original_reduce(values, strategy, reduction)
+
+        def mean(value):
+            if not isinstance(value, tf.distribute.DistributedValues):
+                return value
+            return strategy.reduce("MEAN", value, axis=None)
+
+        return tf.nest.map_structure(mean, values)
+
+    cls._maybe_symbolic_build = _maybe_symbolic_build
+    tf_trainer.reduce_per_replica = reduce_per_replica
+    _FIXED.append(True)

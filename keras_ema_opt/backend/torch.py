@@ -7,6 +7,8 @@ import torch
 from keras_ema_opt.backend import _common
 
 colocate_with = _common.no_placement
+on_create = _common.on_create
+chief_only_scope = _common.chief_only_scope
 assign_copy = _common.assign_copy
 value_visible = _common.value_visible
 current_value = _common.current_value
@@ -94,20 +96,76 @@ def compute_gradients(loss, var_list, tape=None):
     return list(zip(grads, var_list))
 
 
-def aggregate_gradients(optimizer, grads_and_vars):
-    """Sum over the ranks of ``torch.distributed`` when a group is running."""
-    del optimizer
-    pairs = list(grads_and_vars)
+def _world_size():
     dist = torch.distributed
     if not (dist.is_available() and dist.is_initialized()):
-        return pairs
-    if dist.get_world_size() == 1:
-        return pairs
-    out = []
-    for g, v in pairs:
-        if g is not None:
-            g = g.detach().clone()
-            dist.all_reduce(g, op=dist.ReduceOp.SUM)
-        out.append((g, v))
+        return 1
+    return dist.get_world_size()
+
+
+def _all_reduce_mean(tensors):
+    """The mean over the ranks of each tensor (new tensors: the inputs are
+    left as they are), one ``all_reduce`` per device and dtype over a flat
+    buffer, as DDP's buckets do."""
+    dist = torch.distributed
+    world = dist.get_world_size()
+    out = list(tensors)
+    groups = {}
+    for i, t in enumerate(out):
+        if t is not None:
+            groups.setdefault((t.device, t.dtype), []).append(i)
+    for indices in groups.values():
+        # `cat` always allocates: the buffer shares no memory with a grad.
+        flat = torch.cat([out[i].detach().reshape(-1) for i in indices])
+        dist.all_reduce(flat, op=dist.ReduceOp.SUM)
+        flat.div_(world)
+        parts = torch.split(flat, [out[i].numel() for i in indices])
+        for i, part in zip(indices, parts):
+            out[i] = part.view(out[i].shape)
     return out
+
+
+def aggregate_gradients(optimizer, grads_and_vars):
+    """The mean over the ranks of ``torch.distributed`` when a group of
+    more than one process is running (each rank's loss is the mean over
+    its share of the global batch, so the mean of the gradients is the
+    gradient of the global batch, as DDP computes it)."""
+    del optimizer
+    pairs = list(grads_and_vars)
+    if _world_size() == 1:
+        return pairs
+    grads = _all_reduce_mean([g for g, _ in pairs])
+    return [(g, v) for g, (_, v) in zip(grads, pairs)]
+
+
+def step_gradients(optimizer, grads):
+    """In ``fit()`` (which calls ``optimizer.apply``) and in any step that
+    did not come through ``apply_gradients``, the gradients are reduced to
+    their mean over the ranks here, the optimizer's aggregation step."""
+    if _world_size() == 1 or getattr(optimizer, "_gradients_aggregated",
+                                     False):
+        return grads
+    return _all_reduce_mean(grads)
+
+
+def sync_initial_state(optimizer, variables):
+    """Broadcast ``variables`` from rank 0 before the optimizer state (and
+    the averages, which start as copies) is built, as DDP does when it
+    wraps a module: every rank then starts from the same weights."""
+    del optimizer
+    if _world_size() == 1:
+        return
+    dist = torch.distributed
+    with torch.no_grad():
+        for var in variables:
+            value = var.value
+            dist.broadcast(value.data if hasattr(value, "data") else value,
+                           src=0)
+
+
+def is_chief():
+    """Rank 0 of ``torch.distributed`` (always, without a group)."""
+    dist = torch.distributed
+    return not (dist.is_available() and dist.is_initialized()) or (
+        dist.get_rank() == 0)
 

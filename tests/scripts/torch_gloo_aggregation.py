@@ -1,5 +1,5 @@
 """aggregate_gradients / apply_gradients across two torch.distributed (gloo)
-processes on localhost. Rank r's gradient is r + 1: the sum is 3.
+processes on localhost. Rank r's gradient is r + 1: the mean over the ranks is 1.5.
 
 Usage: torch_gloo_aggregation.py PORT OUTDIR. Writes OUTDIR/rank<r>.json.
 """

@@ -1,0 +1,64 @@
+"""Data-parallel training on torch.distributed (gloo), launched by torchrun
+with 2 processes on localhost:
+
+    torchrun --nproc-per-node 2 tests/scripts/torch_distributed_fit.py OUT
+
+Each rank builds the model from its own seed (rank 0's weights must reach
+every rank), then ``fit()`` on its half of each global batch: 2 steps, a
+``.keras`` save by rank 0 only (``mid.keras``), 2 more steps, and an
+``AveragedCheckpoint`` that only rank 0 may write. A custom loop
+(``minimize`` on each rank's half) follows. Each rank writes
+OUT/rank<r>.json with its weights, averages and iterations.
+"""
+
+import os
+import sys
+
+os.environ["KERAS_BACKEND"] = "torch"
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import torch.distributed as dist  # noqa: E402
+
+import distributed_common as common  # noqa: E402
+
+
+def main(out):
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    import keras
+
+    import keras_ema_opt
+
+    result = {"rank": rank, "world": world}
+    model = common.make_model(seed=rank)
+    checkpoints = os.path.join(out, f"checkpoints-rank{rank}")
+    os.makedirs(checkpoints)
+    callback = keras_ema_opt.callbacks.AveragedCheckpoint(
+        os.path.join(out, "averaged-{epoch}.keras"))
+    x, y = common.local(rank, world, range(common.MID))
+    model.fit(x, y, batch_size=len(x) // common.MID, epochs=1,
+              shuffle=False, verbose=0, callbacks=[callback])
+    keras_ema_opt.distributed.save_on_chief(model,
+                                            os.path.join(out, "mid.keras"))
+    result["mid"] = common.state(model)
+    common.fit_steps(model, range(common.MID, common.STEPS), rank, world)
+    result["fit"] = common.state(model)
+    result["callback_wrote"] = [os.path.basename(p) for p in callback.saved]
+
+    loop = common.make_model(seed=10 + rank)
+    for step in range(common.STEPS):
+        xs, ys = (keras.ops.convert_to_tensor(a)
+                  for a in common.local(rank, world, [step]))
+
+        def loss():
+            return keras.ops.mean(keras.ops.square(loop(xs) - ys))
+
+        loop.optimizer.minimize(loss, loop.trainable_variables)
+    result["loop"] = common.state(loop)
+    common.write(os.path.join(out, f"rank{rank}.json"), result)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])

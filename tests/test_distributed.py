@@ -1,0 +1,321 @@
+"""Training on each backend's own distributed engine equals single-process
+training on the same global batch (weights and averages within 1e-5), and
+state saved under one topology resumes under another in lockstep.
+
+Real multi-process runs on localhost, each bounded in time:
+torch.distributed with gloo (``torchrun``, 2 processes), TensorFlow's
+MirroredStrategy (2 logical CPUs) and MultiWorkerMirroredStrategy (2
+processes), JAX's ``keras.distribution`` on several host devices and on 2
+processes (``jax.distributed``). The model, data and reference run are in
+``tests/scripts/distributed_common.py``.
+"""
+
+import os
+import socket
+import sys
+from pathlib import Path
+
+import keras
+import numpy as np
+import pytest
+
+from conftest import BACKEND
+from conftest import ROOT
+from conftest import last_json
+from conftest import only_on
+from conftest import run_python
+
+SCRIPTS = Path(__file__).parent / "scripts"
+sys.path.insert(0, str(SCRIPTS))
+import distributed_common as common  # noqa: E402
+
+TOL = dict(rtol=1e-5, atol=1e-5)
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _assert_same(got, want, what):
+    for key in ("weights", "averages"):
+        for i, (a, b) in enumerate(zip(got[key], want[key])):
+            np.testing.assert_allclose(np.asarray(a), np.asarray(b), **TOL,
+                                       err_msg=f"{what}: {key}[{i}]")
+    assert got["iterations"] == want["iterations"], what
+
+
+def _single(steps, model=None):
+    """The uninterrupted single-process run over ``steps``."""
+    model = model or common.make_model(seed=0)
+    common.fit_steps(model, steps)
+    return model
+
+
+def _resume_elsewhere(path, backend):
+    """Load ``path`` under ``backend`` in a fresh process and fit the
+    steps after the save; its state as JSON."""
+    code = (
+        "import sys, json; sys.path.insert(0, sys.argv[2])\n"
+        "import keras, keras_ema_opt, distributed_common as c\n"
+        "m = keras.saving.load_model(sys.argv[1])\n"
+        "c.fit_steps(m, range(c.MID, c.STEPS))\n"
+        "print(json.dumps(c.state(m)))\n")
+    return last_json(run_python("-c", code, path, SCRIPTS, backend=backend,
+                                timeout=300))
+
+
+# ---------------------------------------------------------------------------
+# PyTorch: torch.distributed (gloo), two processes launched by torchrun
+# ---------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def torch_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("torch-dist")
+    run_python("-m", "torch.distributed.run", "--nproc-per-node", "2",
+               "--master-addr", "127.0.0.1", "--master-port", _free_port(),
+               SCRIPTS / "torch_distributed_fit.py", out, backend="torch",
+               timeout=300)
+    ranks = [common.read(out / f"rank{r}.json") for r in (0, 1)]
+    return out, ranks
+
+
+@only_on("torch")
+def test_torch_ddp_fit_and_custom_loop_equal_one_process(torch_run):
+    _, ranks = torch_run
+    reference = common.state(_single(range(common.STEPS)))
+    loop = common.make_model(seed=10)
+    for step in range(common.STEPS):
+        xs, ys = (keras.ops.convert_to_tensor(a)
+                  for a in common.local(0, 1, [step]))
+        loop.optimizer.minimize(
+            lambda: keras.ops.mean(keras.ops.square(loop(xs) - ys)),
+            loop.trainable_variables)
+    for rank in ranks:
+        assert rank["world"] == 2
+        # Rank 1 was built from another seed: rank 0's weights reached it.
+        _assert_same(rank["fit"], reference, f"fit, rank {rank['rank']}")
+        _assert_same(rank["loop"], common.state(loop),
+                     f"custom loop, rank {rank['rank']}")
+    # The same averages on every rank, bit for bit.
+    assert ranks[0]["fit"]["averages"] == ranks[1]["fit"]["averages"]
+
+
+@only_on("torch")
+def test_torch_ddp_only_rank_0_writes_files(torch_run):
+    out, ranks = torch_run
+    assert ranks[0]["callback_wrote"] == ["averaged-1.keras"]
+    assert ranks[1]["callback_wrote"] == []
+    assert sorted(p.name for p in out.glob("*.keras")) == [
+        "averaged-1.keras", "mid.keras"]
+
+
+@only_on("torch")
+@pytest.mark.parametrize("resume_backend", ["torch", "jax"])
+def test_torch_ddp_save_resumes_in_one_process(torch_run, resume_backend):
+    """Saved by 2 processes after step 2, resumed by 1 (on PyTorch and on
+    JAX): in lockstep with the uninterrupted single-process run."""
+    out, _ = torch_run
+    reference = common.state(_single(range(common.STEPS)))
+    if resume_backend == BACKEND:
+        model = keras.saving.load_model(out / "mid.keras")
+        common.fit_steps(model, range(common.MID, common.STEPS))
+        resumed = common.state(model)
+    else:
+        resumed = _resume_elsewhere(out / "mid.keras", resume_backend)
+    _assert_same(resumed, reference, f"resumed on {resume_backend}")
+
+
+# ---------------------------------------------------------------------------
+# TensorFlow: MirroredStrategy (2 logical CPUs), MultiWorkerMirroredStrategy
+# (2 worker processes)
+# ---------------------------------------------------------------------------
+
+
+def _run_together(commands, timeout=300):
+    """Start every command at once (workers of one job); all must end well
+    within ``timeout`` seconds."""
+    import subprocess
+
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", KERAS_BACKEND=BACKEND,
+               CUDA_VISIBLE_DEVICES="")
+    procs = [subprocess.Popen([sys.executable, *map(str, c)], cwd=ROOT,
+                              env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True)
+             for c in commands]
+    try:
+        outputs = [p.communicate(timeout=timeout) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    for p, (_, err) in zip(procs, outputs):
+        assert p.returncode == 0, err[-3000:]
+
+
+def _reference(result):
+    """The single-process runs from the distributed run's initial weights
+    (tf.distribute gives every replica worker 0's)."""
+    def start(seed, init):
+        model = common.make_model(seed=seed)
+        for var, value in zip(model.trainable_variables, init):
+            var.assign(np.asarray(value, "float32"))
+        return model
+
+    fit = _single(range(common.STEPS), start(0, result["init"]))
+    loop = start(10, result["loop_init"])
+    for step in range(common.STEPS):
+        xs, ys = (keras.ops.convert_to_tensor(a)
+                  for a in common.local(0, 1, [step]))
+        loop.optimizer.minimize(
+            lambda: keras.ops.mean(keras.ops.square(loop(xs) - ys)),
+            loop.trainable_variables)
+    return common.state(fit), common.state(loop)
+
+
+@pytest.fixture(scope="module")
+def tf_runs(tmp_path_factory):
+    mirrored = tmp_path_factory.mktemp("tf-mirrored")
+    script = SCRIPTS / "tf_distributed_fit.py"
+    run_python(script, mirrored, "mirrored", backend="tensorflow",
+               timeout=300)
+    workers = tmp_path_factory.mktemp("tf-multiworker")
+    ports = [_free_port(), _free_port()]
+    _run_together([[script, workers, "multiworker", i, *ports]
+                   for i in (0, 1)])
+    return {"mirrored": (mirrored, [common.read(mirrored / "mirrored0.json")]),
+            "multiworker": (workers, [common.read(
+                workers / f"multiworker{i}.json") for i in (0, 1)])}
+
+
+@only_on("tensorflow")
+@pytest.mark.parametrize("kind", ["mirrored", "multiworker"])
+def test_tf_distribute_fit_and_custom_loop_equal_one_process(tf_runs, kind):
+    _, results = tf_runs[kind]
+    fit, loop = _reference(results[0])
+    for i, result in enumerate(results):
+        assert result["replicas"] == 2
+        assert result["init"] == results[0]["init"]  # worker 1: seed 1
+        _assert_same(result["fit"], fit, f"{kind} fit, worker {i}")
+        _assert_same(result["loop"], loop, f"{kind} custom loop, worker {i}")
+        # Averages and slots are mirrored beside their variables.
+        assert result["placement"] == [True] * 4
+    assert results[0]["fit"]["averages"] == results[-1]["fit"]["averages"]
+
+
+@only_on("tensorflow")
+def test_tf_multiworker_only_the_chief_writes(tf_runs):
+    out, results = tf_runs["multiworker"]
+    assert [r["chief"] for r in results] == [True, False]
+    assert results[0]["callback_wrote"] == ["averaged-worker0-1.keras"]
+    assert results[1]["callback_wrote"] == []
+    assert sorted(p.name for p in out.glob("*.keras")) == [
+        "averaged-worker0-1.keras", "mid.keras"]
+
+
+@only_on("tensorflow")
+@pytest.mark.parametrize("kind,resume_backend", [
+    ("multiworker", "tensorflow"), ("mirrored", "torch")])
+def test_tf_distribute_save_resumes_in_one_process(tf_runs, kind,
+                                                   resume_backend):
+    """Saved by 2 workers (or 2 replicas) after step 2, resumed by one
+    process (TensorFlow, PyTorch): in lockstep with the uninterrupted
+    single-process run."""
+    out, results = tf_runs[kind]
+    fit, _ = _reference(results[0])
+    if resume_backend == BACKEND:
+        model = keras.saving.load_model(out / "mid.keras")
+        common.fit_steps(model, range(common.MID, common.STEPS))
+        resumed = common.state(model)
+    else:
+        resumed = _resume_elsewhere(out / "mid.keras", resume_backend)
+    _assert_same(resumed, fit, f"{kind} resumed on {resume_backend}")
+
+
+# ---------------------------------------------------------------------------
+# JAX: keras.distribution on 4 host devices (DataParallel, ModelParallel with
+# a LayoutMap) and on 2 processes (jax.distributed, gloo collectives)
+# ---------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def jax_runs(tmp_path_factory):
+    script = SCRIPTS / "jax_distributed_fit.py"
+    runs = {}
+    for mode in ("dataparallel", "modelparallel"):
+        out = tmp_path_factory.mktemp(f"jax-{mode}")
+        run_python(script, out, mode, backend="jax", timeout=300)
+        runs[mode] = (out, [common.read(out / f"{mode}0.json")])
+    out = tmp_path_factory.mktemp("jax-multiprocess")
+    port = _free_port()
+    _run_together([[script, out, "multiprocess", i, port] for i in (0, 1)])
+    runs["multiprocess"] = (out, [common.read(
+        out / f"multiprocess{i}.json") for i in (0, 1)])
+    return runs
+
+
+def _jax_reference():
+    fit = _single(range(common.STEPS))
+    loop = common.make_model(seed=10)
+    for step in range(common.STEPS):
+        xs, ys = common.batches()[step]
+        loop.optimizer.minimize(
+            lambda: keras.ops.mean(keras.ops.square(
+                loop(xs) - keras.ops.convert_to_tensor(ys))),
+            loop.trainable_variables)
+    return common.state(fit), common.state(loop)
+
+
+@only_on("jax")
+@pytest.mark.parametrize("mode", ["dataparallel", "modelparallel",
+                                  "multiprocess"])
+def test_jax_distribution_fit_and_custom_loop_equal_one_device(jax_runs,
+                                                               mode):
+    _, results = jax_runs[mode]
+    fit, loop = _jax_reference()
+    for i, result in enumerate(results):
+        assert result["devices"] == 4
+        _assert_same(result["fit"], fit, f"{mode} fit, process {i}")
+        _assert_same(result["loop"], loop, f"{mode} custom loop, process {i}")
+        # Every average and slot has the sharding of its variable.
+        assert result["sharded_alike"] == [True] * 4
+        assert result["loop_sharded_alike"] == [True] * 4
+    assert results[0]["fit"]["averages"] == results[-1]["fit"]["averages"]
+
+
+@only_on("jax")
+def test_jax_model_parallel_shards_as_the_layout_map_says(jax_runs):
+    _, (result,) = jax_runs["modelparallel"]
+    assert result["specs"] == {
+        "mlp/d1/kernel": "P(None, 'model')", "mlp/d1/bias": "P('model',)",
+        "mlp/d2/kernel": "P('model', None)", "mlp/d2/bias": "P(None,)"}
+
+
+@only_on("jax")
+def test_jax_multiprocess_only_process_0_writes(jax_runs):
+    out, results = jax_runs["multiprocess"]
+    assert [r["chief"] for r in results] == [True, False]
+    assert results[1]["callback_wrote"] == []
+    assert sorted(p.name for p in out.glob("*.keras")) == [
+        "averaged-process0-1.keras", "mid.keras"]
+
+
+@only_on("jax")
+@pytest.mark.parametrize("mode,resume_backend", [
+    ("multiprocess", "jax"), ("modelparallel", "torch")])
+def test_jax_distribution_save_resumes_elsewhere(jax_runs, mode,
+                                                 resume_backend):
+    """Saved by 2 processes (or sharded over 4 devices) after step 2,
+    resumed by one process on one device (JAX, PyTorch): in lockstep with
+    the uninterrupted run."""
+    out, _ = jax_runs[mode]
+    fit, _ = _jax_reference()
+    if resume_backend == BACKEND:
+        model = keras.saving.load_model(out / "mid.keras")
+        common.fit_steps(model, range(common.MID, common.STEPS))
+        resumed = common.state(model)
+    else:
+        resumed = _resume_elsewhere(out / "mid.keras", resume_backend)
+    _assert_same(resumed, fit, f"{mode} resumed on {resume_backend}")
