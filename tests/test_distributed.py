@@ -53,6 +53,26 @@ def _single(steps, model=None):
     return model
 
 
+def _only_the_chief_wrote(out, results, averaged):
+    """Process 0 is the chief; its callback wrote ``averaged``, the other
+    process's nothing; the folder holds that and ``mid.keras`` alone."""
+    assert [r["chief"] for r in results] == [True, False]
+    assert results[0]["callback_wrote"] == [averaged]
+    assert results[1]["callback_wrote"] == []
+    assert sorted(p.name for p in out.glob("*.keras")) == [
+        averaged, "mid.keras"]
+
+
+def _resumed(path, backend):
+    """``path`` loaded under ``backend`` (here, or in a fresh process) and
+    trained the steps after the save: its state."""
+    if backend == BACKEND:
+        model = keras.saving.load_model(path)
+        common.fit_steps(model, range(common.MID, common.STEPS))
+        return common.state(model)
+    return _resume_elsewhere(path, backend)
+
+
 def _resume_elsewhere(path, backend):
     """Load ``path`` under ``backend`` in a fresh process and fit the
     steps after the save; its state as JSON."""
@@ -119,12 +139,7 @@ def test_torch_ddp_save_resumes_in_one_process(torch_run, resume_backend):
     JAX): in lockstep with the uninterrupted single-process run."""
     out, _ = torch_run
     reference = common.state(_single(range(common.STEPS)))
-    if resume_backend == BACKEND:
-        model = keras.saving.load_model(out / "mid.keras")
-        common.fit_steps(model, range(common.MID, common.STEPS))
-        resumed = common.state(model)
-    else:
-        resumed = _resume_elsewhere(out / "mid.keras", resume_backend)
+    resumed = _resumed(out / "mid.keras", resume_backend)
     _assert_same(resumed, reference, f"resumed on {resume_backend}")
 
 
@@ -207,12 +222,7 @@ def test_tf_distribute_fit_and_custom_loop_equal_one_process(tf_runs, kind):
 
 @only_on("tensorflow")
 def test_tf_multiworker_only_the_chief_writes(tf_runs):
-    out, results = tf_runs["multiworker"]
-    assert [r["chief"] for r in results] == [True, False]
-    assert results[0]["callback_wrote"] == ["averaged-worker0-1.keras"]
-    assert results[1]["callback_wrote"] == []
-    assert sorted(p.name for p in out.glob("*.keras")) == [
-        "averaged-worker0-1.keras", "mid.keras"]
+    _only_the_chief_wrote(*tf_runs["multiworker"], "averaged-worker0-1.keras")
 
 
 @only_on("tensorflow")
@@ -225,12 +235,7 @@ def test_tf_distribute_save_resumes_in_one_process(tf_runs, kind,
     single-process run."""
     out, results = tf_runs[kind]
     fit, _ = _reference(results[0])
-    if resume_backend == BACKEND:
-        model = keras.saving.load_model(out / "mid.keras")
-        common.fit_steps(model, range(common.MID, common.STEPS))
-        resumed = common.state(model)
-    else:
-        resumed = _resume_elsewhere(out / "mid.keras", resume_backend)
+    resumed = _resumed(out / "mid.keras", resume_backend)
     _assert_same(resumed, fit, f"{kind} resumed on {resume_backend}")
 
 
@@ -295,11 +300,8 @@ def test_jax_model_parallel_shards_as_the_layout_map_says(jax_runs):
 
 @only_on("jax")
 def test_jax_multiprocess_only_process_0_writes(jax_runs):
-    out, results = jax_runs["multiprocess"]
-    assert [r["chief"] for r in results] == [True, False]
-    assert results[1]["callback_wrote"] == []
-    assert sorted(p.name for p in out.glob("*.keras")) == [
-        "averaged-process0-1.keras", "mid.keras"]
+    _only_the_chief_wrote(*jax_runs["multiprocess"],
+                          "averaged-process0-1.keras")
 
 
 @only_on("jax")
@@ -312,10 +314,5 @@ def test_jax_distribution_save_resumes_elsewhere(jax_runs, mode,
     the uninterrupted run."""
     out, _ = jax_runs[mode]
     fit, _ = _jax_reference()
-    if resume_backend == BACKEND:
-        model = keras.saving.load_model(out / "mid.keras")
-        common.fit_steps(model, range(common.MID, common.STEPS))
-        resumed = common.state(model)
-    else:
-        resumed = _resume_elsewhere(out / "mid.keras", resume_backend)
+    resumed = _resumed(out / "mid.keras", resume_backend)
     _assert_same(resumed, fit, f"{mode} resumed on {resume_backend}")
