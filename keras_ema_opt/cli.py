@@ -3,6 +3,7 @@
     keras-ema-opt demo        raw vs EMA vs SWA vs post-hoc EMA on digits
     keras-ema-opt migrate SRC DST.keras   Keras 2 training state -> Keras 3
     keras-ema-opt inspect SRC [--json]    what a Keras 2 artifact holds
+    keras-ema-opt bench       benchmarks beside the peers (source checkout)
     keras-ema-opt info        versions of keras, the backend and this package
     keras-ema-opt --version
 
@@ -153,6 +154,20 @@ def _inspect(args):
     return 0
 
 
+def _bench(argv):
+    """``python -m benchmarks``: the benchmarks live in the source tree
+    (``benchmarks/``), beside the package."""
+    try:
+        from benchmarks import __main__ as bench
+    except ImportError:
+        print("keras-ema-opt bench: error: the benchmarks are part of the "
+              "source checkout (benchmarks/), not of the installed package. "
+              "Run it from the repository root, where `python -m benchmarks` "
+              "works too.", file=sys.stderr)
+        return 1
+    return bench.main(argv)
+
+
 def _version(package):
     try:
         return importlib.metadata.version(package)
@@ -196,6 +211,9 @@ def _parser():
         "inspect", help="print what a Keras 2 artifact holds")
     inspect.add_argument("src")
     inspect.add_argument("--json", action="store_true", help="print JSON")
+    bench = sub.add_parser(
+        "bench", help="benchmarks beside the peers (python -m benchmarks)",
+        add_help=False)
     info = sub.add_parser("info", help="print versions of what is installed")
     info.add_argument("--json", action="store_true", help="print JSON")
     return parser
@@ -203,6 +221,9 @@ def _parser():
 
 def main(argv=None):
     """Run the command line; returns the process exit code."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["bench"]:  # its options are the benchmark driver's
+        return _bench(argv[1:])
     parser = _parser()
     args = parser.parse_args(argv)
     if args.command == "demo":

@@ -137,10 +137,15 @@ def contract_class(keras_cls):
 
 
 def _named(name):
-    cls = contract_class(backend.keras_optimizer_class(name))
-    # `keras.optimizers.<Name>` itself maps to ours too (on PyTorch Keras
-    # instantiates a multi-tensor subclass of it).
-    _CONTRACT_CLASSES.setdefault(getattr(keras.optimizers, name), cls)
+    keras_cls = backend.keras_optimizer_class(name)
+    cls = contract_class(keras_cls)
+    # `keras.optimizers.<Name>` itself maps to ours too, and so do the
+    # classes between (on PyTorch Keras instantiates a multi-tensor
+    # subclass of it, which a backend fast path may subclass again).
+    for parent in keras_cls.__mro__:
+        if parent.__name__ == name and issubclass(
+                parent, keras.optimizers.Optimizer):
+            _CONTRACT_CLASSES.setdefault(parent, cls)
     return cls
 
 

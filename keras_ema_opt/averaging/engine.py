@@ -183,8 +183,14 @@ class Averager:
                 copy = ops.logical_and(copy, real)
         n = ops.cast(self.count.value, "int32") + 1
         decays = strategy.decays(n, t)
-        for _, var, slots in self._targets(optimizer, extras_only):
-            for slot, decay in zip(slots, decays):
+        targets = list(self._targets(optimizer, extras_only))
+        for k, decay in enumerate(decays):
+            pairs = [(slots[k], var) for _, var, slots in targets]
+            # A backend fast path (PyTorch: one `_foreach_lerp_` per device
+            # and dtype) takes what it can; the rest is mixed here.
+            for slot, var in backend.lerp_averages(
+                    pairs, self._weight(decay, average, copy),
+                    gated=average is not None):
                 slot.assign(self._mix(slot, var, decay, average, copy))
         if extras_only:
             return
@@ -208,6 +214,15 @@ class Averager:
             "`fit()`, or with stateful steps (`apply_gradients`).",
             stacklevel=4,
         )
+
+    @staticmethod
+    def _weight(decay, average, copy):
+        """The weight of the new value in ``a <- a + w (x - a)``: ``1 - d``
+        when averaging, 1 to copy, 0 to keep (the same rule as ``_mix``)."""
+        w = ops.subtract(1.0, ops.cast(decay, "float32"))
+        if average is None:
+            return w
+        return ops.where(copy, 1.0, ops.where(average, w, 0.0))
 
     @staticmethod
     def _mix(slot, var, decay, average, copy):

@@ -35,6 +35,11 @@ here. Each backend module provides the same set:
   under a multi-worker strategy, make Keras' ``fit()`` work there).
 - ``chief_only_scope()``: a context for work the chief does alone
   (``model.save``; JAX: no global arrays are made meanwhile).
+- ``lerp_averages(pairs, weight, gated)``: the averaging update
+  ``a <- a + weight (x - a)`` for the ``(average, variable)`` pairs a fast
+  path takes (PyTorch: ``torch._foreach_lerp_`` by device and dtype;
+  TensorFlow: one fused kernel per average); returns the pairs left to the
+  engine's ``keras.ops`` update.
 - ``is_chief()``: whether this process is the one that writes files
   (rank 0, process 0, the chief worker).
 - ``attach_model(optimizer, model)``: let ``fit()`` on ``model`` feed the
@@ -79,6 +84,7 @@ sync_initial_state = _impl.sync_initial_state
 is_chief = _impl.is_chief
 on_create = _impl.on_create
 chief_only_scope = _impl.chief_only_scope
+lerp_averages = _impl.lerp_averages
 
 __all__ = [
     "NAME",
@@ -100,4 +106,5 @@ __all__ = [
     "is_chief",
     "on_create",
     "chief_only_scope",
+    "lerp_averages",
 ]

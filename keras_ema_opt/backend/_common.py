@@ -96,3 +96,13 @@ def on_create(optimizer):
 def chief_only_scope():
     """A context for work the chief does alone (nothing to arrange)."""
     return contextlib.nullcontext()
+
+
+def lerp_averages(pairs, weight, gated=False):
+    """Update ``average <- average + weight * (value - average)`` for the
+    ``(average, variable)`` pairs a fast path can take; return the others
+    (here: all of them, for the engine's own ``keras.ops`` update, which
+    XLA fuses into the compiled step). ``gated``: the weight may be exactly
+    1 (copy) or 0 (keep), which must then be exact."""
+    del weight, gated
+    return pairs

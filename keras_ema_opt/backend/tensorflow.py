@@ -7,6 +7,7 @@ import keras
 from keras_ema_opt.backend import _common
 
 keras_optimizer_class = _common.keras_optimizer_class
+
 value_visible = _common.value_visible
 attach_model = _common.attach_model
 sync_training_state = _common.sync_training_state
@@ -15,6 +16,29 @@ sync_training_state = _common.sync_training_state
 step_gradients = _common.step_gradients
 sync_initial_state = _common.sync_initial_state
 chief_only_scope = _common.chief_only_scope
+
+
+def lerp_averages(pairs, weight, gated=False):
+    """``a <- a - weight (a - x)`` as one fused kernel per average
+    (``ResourceApplyGradientDescent``), in place of the engine's five graph
+    ops. Not under a ``tf.distribute`` strategy (its mirrored variables
+    are updated by the engine), nor where the weight may be exactly 1 or
+    0 (``gated``: a copy must be exact), nor across dtypes."""
+    if gated or tf.distribute.has_strategy():
+        return pairs
+    rest = []
+    cast = {}
+    for slot, var in pairs:
+        a, x = _tf_variable(slot), _tf_variable(var)
+        if a.dtype != x.dtype or not a.dtype.is_floating:
+            rest.append((slot, var))
+            continue
+        if a.dtype not in cast:
+            cast[a.dtype] = tf.cast(weight, a.dtype)
+        tf.raw_ops.ResourceApplyGradientDescent(
+            var=a.handle, alpha=cast[a.dtype],
+            delta=a.read_value() - x.read_value())
+    return rest
 
 
 class OptimizerHooks:

@@ -1,6 +1,8 @@
 """PyTorch hooks: Keras' multi-tensor update rules, autograd, torch.distributed."""
 
+import functools
 import importlib
+import math
 
 import torch
 
@@ -42,7 +44,114 @@ def keras_optimizer_class(name):
         )
     except ImportError:  # pragma: no cover - older or newer Keras layouts
         return _common.keras_optimizer_class(name)
-    return getattr(module, name, None) or _common.keras_optimizer_class(name)
+    cls = getattr(module, name, None) or _common.keras_optimizer_class(name)
+    fused = _FUSED.get(name)
+    if fused is not None and hasattr(cls, "_parallel_update_step"):
+        return _with_fused_step(fused, cls)
+    return cls
+
+
+@functools.lru_cache(maxsize=None)  # one class per rule: identity holds
+def _with_fused_step(fused, cls):
+    return type(cls.__name__, (fused, cls), {"__module__": cls.__module__})
+
+
+class _FusedAdamStep:
+    """Keras' Adam update (``AdamW``: its decoupled decay is applied before,
+    by Keras) as torch's fused kernel: one pass over each tensor instead of
+    Keras' ten ``torch._foreach`` passes and four temporaries.
+
+    The rule is Keras': ``m <- b1 m + (1 - b1) g``, ``v <- b2 v + (1 - b2)
+    g^2`` (``v_hat = max(v_hat, v)`` with AMSGrad), ``w <- w - alpha m /
+    (sqrt(v) + eps)`` with ``alpha = lr sqrt(1 - b2^t) / (1 - b1^t)``
+    computed in float32 as Keras computes it. torch's kernel would apply its
+    own bias corrections (and add epsilon after them); it is given a step
+    count so large that they are exactly 1, and ``alpha`` as its learning
+    rate: the same update as Keras', to float32 round-off (tested against
+    ``keras.optimizers.Adam``, tf_keras and the rule in float64). Where the
+    kernel cannot serve (a device or dtype it lacks, gradients of another
+    dtype than their variable, a step traced by ``torch.compile``), Keras'
+    own multi-tensor step runs.
+    """
+
+    def _parallel_update_step(self, grads, variables, learning_rate):
+        groups = _fusable_groups(grads, variables)
+        if groups is None or not hasattr(torch, "_fused_adam_") or (
+                _compiling()):
+            # Under torch.compile (`model.compile(jit_compile=True)`) the
+            # compiler fuses Keras' own step; its host-side step size would
+            # break the graph.
+            return super()._parallel_update_step(grads, variables,
+                                                 learning_rate)
+        lr = learning_rate.value if hasattr(learning_rate, "value") else (
+            learning_rate)
+        alpha = _keras_adam_alpha(float(lr), self.beta_1, self.beta_2,
+                                  int(self.iterations.value.item()) + 1)
+        for (device, _), (grad_list, var_list) in groups.items():
+            index = [self._get_variable_index(v) for v in var_list]
+            steps = [_no_bias_correction(device)] * len(var_list)
+            torch._fused_adam_(
+                [v.value for v in var_list], grad_list,
+                [self._momentums[i].value for i in index],
+                [self._velocities[i].value for i in index],
+                [self._velocity_hats[i].value for i in index]
+                if self.amsgrad else [],
+                steps, lr=alpha, beta1=float(self.beta_1),
+                beta2=float(self.beta_2), weight_decay=0.0,
+                eps=float(self.epsilon), amsgrad=bool(self.amsgrad),
+                maximize=False)
+
+
+def _compiling():
+    compiler = getattr(torch, "compiler", None)
+    return bool(compiler is not None and compiler.is_compiling())
+
+
+def _keras_adam_alpha(lr, beta_1, beta_2, step):
+    """``lr sqrt(1 - b2^t) / (1 - b1^t)`` in float32, operation by
+    operation as ``keras/src/backend/torch/optimizers/torch_adam.py``."""
+    import numpy as np
+
+    f = np.float32
+    t = f(step)
+    b1_power = np.power(f(beta_1), t)
+    b2_power = np.power(f(beta_2), t)
+    return float(f(lr) * np.sqrt(f(1) - b2_power) / (f(1) - b1_power))
+
+
+_STEPS = {}
+
+
+def _no_bias_correction(device):
+    """A step count at which ``1 - beta^t`` is exactly 1 in torch's kernel
+    (``beta < 1``): its bias corrections then change nothing."""
+    step = _STEPS.get(device)
+    if step is None:
+        step = _STEPS[device] = torch.tensor(1e9, dtype=torch.float32,
+                                             device=device)
+    return step
+
+
+def _fusable_groups(grads, variables):
+    """``{(device, dtype): (grads, variables)}`` when every gradient is a
+    dense tensor of its variable's dtype and device, on a device and dtype
+    torch's fused optimizers take; else None."""
+    groups = {}
+    for g, v in zip(grads, variables):
+        value = v.value
+        if (not isinstance(g, torch.Tensor) or g.is_sparse
+                or g.dtype != value.dtype or g.device != value.device
+                or value.dtype not in _FUSED_DTYPES
+                or value.device.type not in ("cpu", "cuda")):
+            return None
+        pair = groups.setdefault((value.device, value.dtype), ([], []))
+        pair[0].append(g)
+        pair[1].append(v)
+    return groups
+
+
+_FUSED_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+_FUSED = {"Adam": _FusedAdamStep, "AdamW": _FusedAdamStep}
 
 
 class OptimizerHooks:
@@ -169,3 +278,29 @@ def is_chief():
     return not (dist.is_available() and dist.is_initialized()) or (
         dist.get_rank() == 0)
 
+
+
+def lerp_averages(pairs, weight, gated=False):
+    """``a <- a + weight (x - a)`` as one ``torch._foreach_lerp_`` per
+    device and dtype (one pass, no temporary; as torch's ``AveragedModel``
+    and timm do), with ``weight`` a 0-dim tensor (no host sync). torch's
+    lerp is exact at the ends: weight 1 copies, 0 keeps. Pairs whose
+    average has another dtype than its variable (``average_dtype``) are
+    returned, for the engine's own update."""
+    del gated  # torch's lerp is exact at both ends
+    groups = {}
+    rest = []
+    for slot, var in pairs:
+        a, x = slot.value, var.value
+        if (a.dtype != x.dtype or a.device != x.device
+                or not a.is_floating_point()):
+            rest.append((slot, var))
+            continue
+        avs, xs = groups.setdefault((a.device, a.dtype), ([], []))
+        avs.append(a)
+        xs.append(x)
+    with torch.no_grad():
+        for (device, dtype), (avs, xs) in groups.items():
+            torch._foreach_lerp_(avs, xs, weight.to(device=device,
+                                                    dtype=dtype))
+    return rest

@@ -1,0 +1,255 @@
+"""Run the benchmarks on every backend, side by side with the peers, and
+write ``benchmarks/results/<device>-results.json``, ``<device>-table.md``
+and ``<device>-plot.png``.
+
+    python -m benchmarks [--backends jax,tensorflow,torch] [--out DIR]
+                         [--no-fit] [--no-memory]
+    keras-ema-opt bench ...          (the same, from a source checkout)
+
+Each backend runs in fresh processes (``KERAS_BACKEND`` is read once per
+process); memory is measured in one process per configuration. The table
+gives medians and their ratios against the peers of the same run, and
+checks them against the bounds of the project's performance issue.
+"""
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+BACKENDS = ("jax", "tensorflow", "torch")
+
+# The configurations whose peak memory is measured, per backend.
+MEMORY = {
+    "jax": ("keras_ema", "ours:ema", "ours:powerema", "optax_ema"),
+    "tensorflow": ("keras_ema", "ours:ema", "ours:powerema", "tf_keras_ema"),
+    "torch": ("keras_ema", "ours:ema", "ours:powerema", "torch_adam+lerp"),
+}
+# Ours, and the peer it is held to, with the bound on ours / peer; the
+# peer of a strategy keeping k averages is scaled by the bytes they move.
+BOUNDS = {
+    "torch": ("torch_adam+lerp", 1.15),
+    "jax": ("optax_ema", 1.10),
+    "tensorflow": ("tf_keras_ema", 0.85),
+}
+
+
+def _run(module, backend, *args, timeout=1800):
+    env = dict(os.environ, KERAS_BACKEND=backend, TF_CPP_MIN_LOG_LEVEL="3",
+               PYTHONHASHSEED="0")
+    proc = subprocess.run(
+        [sys.executable, "-m", module, *args], cwd=ROOT, env=env,
+        capture_output=True, text=True, timeout=timeout)
+    if proc.returncode:
+        raise RuntimeError(f"{module} on {backend} failed:\n"
+                           f"{proc.stderr[-3000:]}")
+    return [json.loads(line[6:]) for line in proc.stdout.splitlines()
+            if line.startswith("BENCH ")]
+
+
+def _names(backend):
+    out = subprocess.run(
+        [sys.executable, "-m", "benchmarks.step", "--list"], cwd=ROOT,
+        env=dict(os.environ, KERAS_BACKEND=backend, TF_CPP_MIN_LOG_LEVEL="3"),
+        capture_output=True, text=True, timeout=600, check=True)
+    return out.stdout.split()
+
+
+def device_kind():
+    try:
+        out = subprocess.run(["nvidia-smi", "-L"], capture_output=True,
+                             text=True, timeout=20)
+        if out.returncode == 0 and out.stdout.strip():
+            return "gpu"
+    except (OSError, subprocess.SubprocessError):
+        pass
+    return "cpu"
+
+
+def collect(backends, fit=True, memory=True, say=print):
+    results = []
+    for backend in backends:
+        # One fresh process per configuration: no configuration runs in
+        # memory, caches or allocator pools another one left behind.
+        for name in _names(backend):
+            say(f"[bench] {backend}: optimizer step, {name}")
+            results += _run("benchmarks.step", backend, "--names", name)
+        if fit:
+            say(f"[bench] {backend}: fit step")
+            results += _run("benchmarks.fit", backend)
+        if memory:
+            for name in MEMORY[backend]:
+                say(f"[bench] {backend}: peak memory of {name}")
+                results += _run("benchmarks.step", backend, "--memory", name)
+    return results
+
+
+def _by(results, bench, backend):
+    return {r["name"]: r for r in results
+            if r["bench"] == bench and r["backend"] == backend}
+
+
+def checks(results):
+    """Each bound of the performance issue: (what, measured, bound, ok)."""
+    out = []
+    for backend in sorted({r["backend"] for r in results}):
+        step = _by(results, "step", backend)
+        peer_name, bound = BOUNDS[backend]
+        peer = step.get(peer_name)
+        for name, r in step.items():
+            if not name.startswith("ours:") or peer is None:
+                continue
+            # A strategy with k averages may move the bytes of k.
+            scale = r["roofline_seconds"] / peer["roofline_seconds"]
+            ratio = r["seconds"] / (peer["seconds"] * scale)
+            out.append((f"{backend} step: {name} / {peer_name}"
+                        f"{' (x bytes)' if scale != 1 else ''}",
+                        ratio, bound, ratio <= bound))
+        if backend == "torch" and "keras_ema" in step and "ours:ema" in step:
+            speedup = step["keras_ema"]["seconds"] / step["ours:ema"][
+                "seconds"]
+            out.append(("torch step: Keras use_ema / ours:ema (speed-up)",
+                        speedup, 2.5, speedup >= 2.5))
+        if backend in ("jax", "tensorflow"):
+            for name in ("ours:ema",):
+                if name in step:
+                    r = step[name]
+                    share = r["roofline_seconds"] / r["seconds"]
+                    out.append((f"{backend} step: {name} share of the "
+                                "copy-bandwidth roofline", share, 0.70,
+                                share >= 0.70))
+        fit = _by(results, "fit", backend)
+        if "ours" in fit:
+            for name, r in fit.items():
+                if name.startswith("ours:"):
+                    ratio = r["seconds"] / fit["ours"]["seconds"] - 1
+                    out.append((f"{backend} fit: {name} added to the step",
+                                ratio, 0.10, ratio <= 0.10))
+        for name, r in _by(results, "memory", backend).items():
+            out.append((f"{backend} memory: {name} growth / state bytes",
+                        r["ratio"], 1.10, r["ratio"] <= 1.10))
+    return out
+
+
+def table(results, device):
+    lines = [f"Device: {device}, {platform.processor() or platform.machine()}"
+             f", {os.cpu_count()} cores. Medians (ms); roofline = bytes an "
+             "Adam step with its averages must move / measured copy "
+             "bandwidth.", ""]
+    for backend in sorted({r["backend"] for r in results}):
+        step = _by(results, "step", backend)
+        fit = _by(results, "fit", backend)
+        mem = _by(results, "memory", backend)
+        peer_name = BOUNDS[backend][0]
+        peer = step.get(peer_name)
+        lines += [f"### {backend}", "",
+                  "| configuration | step (ms) | / " + peer_name +
+                  " | roofline (ms) | fit step (ms) | peak memory / state |",
+                  "|---|---|---|---|---|---|"]
+        for name in sorted(set(step) | set(fit)):
+            s, f = step.get(name), fit.get(name)
+            ratio = (f"{s['seconds'] / peer['seconds']:.2f}"
+                     if s and peer else "")
+            m = mem.get(name)
+            lines.append(
+                f"| {name} | {s['seconds'] * 1e3:.2f} |" if s else
+                f"| {name} | |")
+            lines[-1] += (
+                f" {ratio} | "
+                f"{s['roofline_seconds'] * 1e3:.2f} |" if s else " | |")
+            lines[-1] += (f" {f['seconds'] * 1e3:.2f} |" if f else " |")
+            lines[-1] += (f" {m['ratio']:.2f} |" if m else " |")
+        lines.append("")
+    lines += ["### Bounds", "", "| check | measured | bound | |",
+              "|---|---|---|---|"]
+    for what, value, bound, ok in checks(results):
+        lines.append(f"| {what} | {value:.2f} | {bound:.2f} | "
+                     f"{'ok' if ok else 'MISSED'} |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(results, path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    backends = sorted({r["backend"] for r in results})
+    fig, axes = plt.subplots(1, len(backends),
+                             figsize=(5 * len(backends), 4.5), squeeze=False)
+    for ax, backend in zip(axes[0], backends):
+        step = _by(results, "step", backend)
+        names = sorted(step)
+        values = [step[n]["seconds"] * 1e3 for n in names]
+        colors = ["tab:green" if n.startswith("ours") else
+                  "tab:gray" if n.startswith("keras") else "tab:blue"
+                  for n in names]
+        ax.barh(names, values, color=colors)
+        roof = [step[n]["roofline_seconds"] * 1e3 for n in names]
+        ax.scatter(roof, names, marker="|", color="black", s=200,
+                   label="roofline")
+        ax.set_title(f"{backend}: Adam step, 200 x 50k float32")
+        ax.set_xlabel("ms (median)")
+        ax.legend(loc="lower right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110, format="png")
+    plt.close(fig)
+
+
+def write(results, out, device):
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    meta = {"device": device, "machine": platform.machine(),
+            "processor": platform.processor(), "cores": os.cpu_count(),
+            "python": platform.python_version(),
+            "date": time.strftime("%Y-%m-%d %H:%M:%S")}
+    payload = {"meta": meta, "results": results,
+               "checks": [dict(zip(("check", "measured", "bound", "ok"), c))
+                          for c in checks(results)]}
+    paths = {"json": out / f"{device}-results.json",
+             "table": out / f"{device}-table.md",
+             "plot": out / f"{device}-plot.png"}
+    for kind, path in paths.items():
+        tmp = path.with_suffix(path.suffix + ".tmp")
+        if kind == "json":
+            tmp.write_text(json.dumps(payload, indent=1))
+        elif kind == "table":
+            tmp.write_text(table(results, device))
+        else:
+            plot(results, tmp)
+        os.replace(tmp, path)
+    return paths
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks", description=__doc__.splitlines()[0])
+    parser.add_argument("--backends", default=",".join(BACKENDS))
+    parser.add_argument("--out", default=str(ROOT / "benchmarks" /
+                                             "results"))
+    parser.add_argument("--no-fit", action="store_true")
+    parser.add_argument("--no-memory", action="store_true")
+    parser.add_argument("--from-json", metavar="FILE",
+                        help="rebuild the table and plot of a results file")
+    args = parser.parse_args(argv)
+    if args.from_json:
+        payload = json.loads(Path(args.from_json).read_text())
+        device, results = payload["meta"]["device"], payload["results"]
+    else:
+        device = device_kind()
+        results = collect([b for b in args.backends.split(",") if b],
+                          fit=not args.no_fit, memory=not args.no_memory)
+    paths = write(results, args.out, device)
+    print(table(results, device))
+    for path in paths.values():
+        print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,105 @@
+"""A ``model.fit`` step: a 60-layer ``Dense(256)`` MLP, batch 32, Adam, with
+and without averaging, ours beside Keras' own ``use_ema``.
+
+    python -m benchmarks.fit [--names ...]
+
+Each configuration trains one epoch of ``STEPS`` batches; the time of a
+step is the median gap between consecutive ``on_train_batch_end`` calls
+after the first ``WARMUP`` (compilation and warm-up excluded). One
+``fit()`` call per configuration: Keras 3.15's ``use_ema=True`` cannot
+run a second ``fit()`` on JAX (defect L3).
+"""
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+import numpy as np
+
+from benchmarks import common
+
+BACKEND = os.environ.get("KERAS_BACKEND", "jax")
+LAYERS = 60
+WIDTH = 256
+BATCH = 32
+STEPS = 60
+WARMUP = 10
+
+
+class _Clock:
+    def __init__(self):
+        import keras
+
+        class Clock(keras.callbacks.Callback):
+            def __init__(self):
+                super().__init__()
+                self.times = []
+
+            def on_train_batch_end(self, batch, logs=None):
+                self.times.append(time.perf_counter())
+
+        self.callback = Clock()
+
+    def median_step(self):
+        t = self.callback.times[WARMUP:]
+        return statistics.median(np.diff(t))
+
+
+def model():
+    import keras
+
+    keras.utils.set_random_seed(0)
+    layers = [keras.Input((WIDTH,))]
+    layers += [keras.layers.Dense(WIDTH, activation="relu")
+               for _ in range(LAYERS - 1)]
+    layers.append(keras.layers.Dense(WIDTH))
+    return keras.Sequential(layers)
+
+
+def optimizer(name):
+    import keras
+
+    import keras_ema_opt
+
+    from benchmarks.step import LR, MOMENTUM, averaging
+
+    if name == "keras":
+        return keras.optimizers.Adam(LR)
+    if name == "keras_ema":
+        return keras.optimizers.Adam(LR, use_ema=True, ema_momentum=MOMENTUM)
+    strategy = None if name == "ours" else name.split(":", 1)[1]
+    return keras_ema_opt.Adam(LR, averaging=averaging(strategy))
+
+
+NAMES = ("keras", "keras_ema", "ours", "ours:ema", "ours:ema_power",
+         "ours:swa", "ours:powerema")
+
+
+def run(names=NAMES):
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((BATCH * STEPS, WIDTH), dtype=np.float32)
+    y = rng.standard_normal((BATCH * STEPS, WIDTH), dtype=np.float32)
+    for name in names:
+        m = model()
+        m.compile(optimizer=optimizer(name), loss="mse")
+        clock = _Clock()
+        m.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0,
+              callbacks=[clock.callback])
+        common.emit({"bench": "fit", "backend": BACKEND, "name": name,
+                     "seconds": clock.median_step(),
+                     "parameters": int(sum(np.prod(v.shape)
+                                           for v in m.trainable_weights))})
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--names", default=None)
+    args = parser.parse_args(argv)
+    run(args.names.split(",") if args.names else NAMES)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,355 @@
+"""One optimizer step alone: 200 float32 tensors of 50,000 elements, Adam,
+with and without averaging, ours beside Keras' own and the backend's peers.
+
+Run under one backend (``KERAS_BACKEND``); ``python -m benchmarks`` runs
+it for each in a fresh process and gathers the results.
+
+    python -m benchmarks.step [--strategies ema,swa] [--memory NAME]
+"""
+
+import argparse
+import gc
+import os
+import sys
+
+import numpy as np
+
+from benchmarks import common
+
+BACKEND = os.environ.get("KERAS_BACKEND", "jax")
+LR = 1e-3
+MOMENTUM = 0.999
+
+STRATEGIES = ("ema", "ema_power", "swa", "powerema")
+
+
+def averaging(name):
+    import keras_ema_opt as k
+
+    return {
+        None: None,
+        "ema": k.EMA(MOMENTUM),
+        "ema_power": k.EMA(MOMENTUM, warmup="power"),
+        "swa": k.SWA(),
+        "powerema": k.PowerEMA([0.05, 0.10]),
+    }[name]
+
+
+def n_averages(name):
+    return {None: 0, "keras_ema": 1, "powerema": 2}.get(name, 1)
+
+
+def tensors(n=common.N_TENSORS, size=common.SIZE, seed=0):
+    """(weight, gradient) numpy pairs, one at a time (no second copy of
+    the whole problem in memory)."""
+    rng = np.random.default_rng(seed)
+    for _ in range(n):
+        yield (rng.standard_normal(size, dtype=np.float32),
+               rng.standard_normal(size, dtype=np.float32) * 1e-2)
+
+
+# ---------------------------------------------------------------------------
+# Keras optimizers (Keras' own and ours), stepped as fit() steps them
+# ---------------------------------------------------------------------------
+
+
+def keras_optimizer(kind):
+    import keras
+
+    import keras_ema_opt
+
+    if kind == "keras":
+        return keras.optimizers.Adam(LR)
+    if kind == "keras_ema":
+        return keras.optimizers.Adam(LR, use_ema=True, ema_momentum=MOMENTUM)
+    strategy = None if kind == "ours" else kind.split(":", 1)[1]
+    return keras_ema_opt.Adam(LR, averaging=averaging(strategy),
+                              jit_compile=False)
+
+
+def keras_step(kind):
+    """(step, sync) for a Keras optimizer on this backend."""
+    import keras
+
+    variables, grads = [], []
+    for w, g in tensors():
+        variables.append(keras.Variable(w))
+        grads.append(keras.ops.convert_to_tensor(g))
+    opt = keras_optimizer(kind)
+    opt.build(variables)
+    if BACKEND == "torch":
+        import torch
+
+        def step():
+            with torch.no_grad():
+                opt.apply(grads, variables)
+        return step, _sync_torch
+    if BACKEND == "tensorflow":
+        import tensorflow as tf
+
+        fn = tf.function(lambda: opt.apply(grads, variables),
+                         jit_compile=True)
+        return fn, lambda: opt.iterations.numpy()
+    import jax
+
+    # The variables' own buffers, donated as fit() donates its state (the
+    # averages were built as copies: no buffer is shared).
+    state = {"t": [v.value for v in variables],
+             "o": [v.value for v in opt.variables]}
+    fn = jax.jit(lambda t, o, g: opt.stateless_apply(o, g, t),
+                 donate_argnums=(0, 1))
+
+    def step():
+        state["t"], state["o"] = fn(state["t"], state["o"], grads)
+    return step, lambda: jax.block_until_ready(state["t"])
+
+
+def _sync_torch():
+    import torch
+
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+# ---------------------------------------------------------------------------
+# Peers
+# ---------------------------------------------------------------------------
+
+
+def torch_foreach_step(kind):
+    """torch.optim.Adam(foreach=True) and an average by `_foreach_lerp_`
+    (as torch's AveragedModel / timm do), torch-ema, or timm ModelEmaV3's
+    rule (timm does not import beside this torch: its update, as in
+    ``timm/utils/model_ema.py``, is reproduced)."""
+    import torch
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    params = []
+    for w, g in tensors():
+        p = torch.nn.Parameter(torch.from_numpy(w).to(device))
+        p.grad = torch.from_numpy(g).to(device)
+        params.append(p)
+    opt = torch.optim.Adam(params, lr=LR, foreach=True)
+    if kind == "torch_adam":
+        def step():
+            opt.step()
+        return step, _sync_torch
+    if kind == "torch_ema":
+        from torch_ema import ExponentialMovingAverage
+
+        ema = ExponentialMovingAverage(params, decay=MOMENTUM)
+
+        def step():
+            opt.step()
+            ema.update()
+        return step, _sync_torch
+    averages = [p.detach().clone() for p in params]
+    detached = [p.detach() for p in params]
+    counter = {"step": 0}
+
+    def timm_decay(step, decay=MOMENTUM, warmup_gamma=1.0,
+                   warmup_power=2 / 3, min_decay=0.0):
+        # timm ModelEmaV3.get_decay with use_warmup=True.
+        step = max(0, step - 1)
+        if step <= 0:
+            return 0.0
+        d = 1 - (1 + step / warmup_gamma) ** -warmup_power
+        return max(min(d, decay), min_decay)
+
+    def step():
+        opt.step()
+        counter["step"] += 1
+        d = timm_decay(counter["step"]) if kind == "timm_ema_v3" else (
+            MOMENTUM)
+        with torch.no_grad():
+            torch._foreach_lerp_(averages, detached, 1.0 - d)
+    return step, _sync_torch
+
+
+def optax_step(kind):
+    import jax
+    import optax
+
+    params = [jax.numpy.asarray(w) for w, _ in tensors()]
+    grads = [jax.numpy.asarray(g) for _, g in tensors()]
+    tx = optax.adam(LR)
+    ema = optax.ema(MOMENTUM, debias=False)
+    state = {"p": params, "s": tx.init(params), "e": ema.init(params)}
+
+    def update(p, s, e, g):
+        updates, s = tx.update(g, s, p)
+        p = optax.apply_updates(p, updates)
+        if kind == "optax_ema":
+            _, e = ema.update(p, e)
+        return p, s, e
+
+    fn = jax.jit(update, donate_argnums=(0, 1, 2))
+
+    def step():
+        state["p"], state["s"], state["e"] = fn(state["p"], state["s"],
+                                                state["e"], grads)
+    return step, lambda: jax.block_until_ready(state["p"])
+
+
+def tf_keras_step(kind):
+    import tensorflow as tf
+    import tf_keras
+
+    variables, grads = [], []
+    for w, g in tensors():
+        variables.append(tf.Variable(w))
+        grads.append(tf.constant(g))
+    opt = tf_keras.optimizers.Adam(
+        LR, use_ema=kind.startswith("tf_keras_ema"), ema_momentum=MOMENTUM,
+        jit_compile=True)
+    pairs = list(zip(grads, variables))
+    # "tf_keras", "tf_keras_ema": as tf_keras' fit() runs it, in a
+    # tf.function; tf_keras compiles each variable's update with XLA where
+    # it has a GPU and turns its own `jit_compile` off elsewhere
+    # (tf_keras/src/optimizers/optimizer.py). "..._xla": the whole step
+    # compiled with XLA, as ours and Keras 3's are here.
+    step = tf.function(lambda: opt.apply_gradients(pairs),
+                       jit_compile=kind.endswith("_xla"))
+    return step, lambda: opt.iterations.numpy()
+
+
+PEERS = {
+    "torch": {"torch_adam": torch_foreach_step,
+              "torch_adam+lerp": torch_foreach_step,
+              "torch_ema": torch_foreach_step,
+              "timm_ema_v3": torch_foreach_step},
+    "jax": {"optax_adam": optax_step, "optax_ema": optax_step},
+    "tensorflow": {"tf_keras": tf_keras_step, "tf_keras_ema": tf_keras_step,
+                   "tf_keras_xla": tf_keras_step,
+                   "tf_keras_ema_xla": tf_keras_step},
+}
+
+
+def configurations(strategies=STRATEGIES):
+    """Name -> (builder, kind, number of averages kept)."""
+    out = {"keras": (keras_step, "keras", 0),
+           "keras_ema": (keras_step, "keras_ema", 1),
+           "ours": (keras_step, "ours", 0)}
+    for s in strategies:
+        out[f"ours:{s}"] = (keras_step, f"ours:{s}", n_averages(s))
+    for name, builder in PEERS[BACKEND].items():
+        averages = 0 if name in ("torch_adam", "optax_adam", "tf_keras",
+                                 "tf_keras_xla") else 1
+        out[name] = (builder, name, averages)
+    return out
+
+
+def backend_copy_bandwidth(megabytes=256, repeats=7):
+    """Bytes per second of a large scale-by-one (read + write) in this
+    backend's own compiled or multi-threaded kernels."""
+    import time
+
+    n = megabytes * (1 << 20) // 4
+    if BACKEND == "torch":
+        import torch
+
+        src = torch.ones(n)
+        dst = torch.empty_like(src)
+
+        def copy():
+            dst.copy_(src)
+    elif BACKEND == "jax":
+        import jax
+
+        src = jax.numpy.ones(n)
+        scale = jax.jit(lambda x: x * 1.0)
+
+        def copy():
+            jax.block_until_ready(scale(src))
+    else:
+        import tensorflow as tf
+
+        src = tf.ones(n)
+        scale = tf.function(lambda x: x * 1.0, jit_compile=True)
+
+        def copy():
+            scale(src).numpy()[:1]
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        copy()
+        best = min(best, time.perf_counter() - start)
+    return 2 * n * 4 / best
+
+
+def run(names=None, strategies=STRATEGIES):
+    configs = configurations(strategies)
+    n = common.N_TENSORS * common.SIZE
+    # The roofline takes the best copy bandwidth seen, numpy's over every
+    # core or the backend's own.
+    bandwidth = max(common.copy_bandwidth(), backend_copy_bandwidth())
+    for name in names or configs:
+        builder, kind, averages = configs[name]
+        step, sync = builder(kind)
+        seconds = common.median_time(step, sync)
+        roofline = common.adam_bytes(n, averages) / bandwidth
+        common.emit({"bench": "step", "backend": BACKEND, "name": name,
+                     "seconds": seconds, "averages": averages,
+                     "roofline_seconds": roofline,
+                     "bandwidth": bandwidth})
+        del step, sync
+        gc.collect()
+
+
+def memory(name, strategies=STRATEGIES):
+    """Peak memory growth of ``name`` over this process's idle baseline
+    (after the imports), against the bytes its state needs."""
+    configs = configurations(strategies)
+    builder, kind, averages = configs[name]
+    _import_backend()
+    gc.collect()
+    baseline = common.current_rss_bytes()
+    step, sync = builder(kind)
+    for _ in range(10):
+        step()
+    sync()
+    peak = common.peak_rss_bytes()
+    n = common.N_TENSORS * common.SIZE
+    # parameters, gradients, two Adam moments, the averages
+    needed = n * 4 * (4 + averages)
+    common.emit({"bench": "memory", "backend": BACKEND, "name": name,
+                 "growth_bytes": peak - baseline, "needed_bytes": needed,
+                 "ratio": (peak - baseline) / needed})
+
+
+def _import_backend():
+    import keras  # noqa: F401
+
+    import keras_ema_opt  # noqa: F401
+
+    if BACKEND == "torch":
+        import torch  # noqa: F401
+        import torch_ema  # noqa: F401
+    elif BACKEND == "jax":
+        import jax  # noqa: F401
+        import optax  # noqa: F401
+    else:
+        import tensorflow  # noqa: F401
+        import tf_keras  # noqa: F401
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--names", default=None,
+                        help="comma-separated configurations (default all)")
+    parser.add_argument("--memory", default=None,
+                        help="measure the peak memory of one configuration")
+    parser.add_argument("--list", action="store_true",
+                        help="print the configurations of this backend")
+    args = parser.parse_args(argv)
+    if args.list:
+        print(" ".join(configurations()))
+    elif args.memory:
+        memory(args.memory)
+    else:
+        run(args.names.split(",") if args.names else None)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,177 @@
+"""The backend fast paths are taken where they can serve, fall back where
+they cannot, and give the results of the general path.
+
+PyTorch: torch's fused Adam kernel for Keras' Adam / AdamW rule, and one
+``torch._foreach_lerp_`` per device and dtype for the averages.
+TensorFlow: one ``ResourceApplyGradientDescent`` kernel per average. Elsewhere (and for what they
+cannot take) the ``keras.ops`` path runs. Oracles: Keras' own optimizers,
+and the averaging formula in float64.
+"""
+
+import keras
+import numpy as np
+import pytest
+
+import keras_ema_opt
+from conftest import only_on
+from conftest import to_numpy
+
+
+def _problem(dtypes=("float32", "float32", "float64")):
+    rng = np.random.default_rng(0)
+    shapes = [(4, 3), (5,), (2, 3, 2)]
+    weights = [rng.normal(size=s).astype(d) for s, d in zip(shapes, dtypes)]
+    grads = [[rng.normal(size=s).astype(d) for s, d in zip(shapes, dtypes)]
+             for _ in range(6)]
+    return weights, grads
+
+
+def _train(optimizer, weights, grads, record=False):
+    variables = [keras.Variable(w, dtype=w.dtype) for w in weights]
+    trajectory = [[w.astype(np.float64) for w in weights]]
+    for step in grads:
+        optimizer.apply_gradients(zip(
+            [keras.ops.convert_to_tensor(g) for g in step], variables))
+        trajectory.append([to_numpy(v).astype(np.float64)
+                           for v in variables])
+    return variables, trajectory
+
+
+class _Calls:
+    """Counts the calls of a framework function, still calling it."""
+
+    def __init__(self, monkeypatch, name, module=None):
+        if module is None:
+            import torch as module
+
+        self.count = 0
+        real = getattr(module, name)
+
+        def counted(*args, **kwargs):
+            self.count += 1
+            return real(*args, **kwargs)
+        monkeypatch.setattr(module, name, counted)
+
+
+@only_on("torch")
+@pytest.mark.parametrize("name,kwargs", [
+    ("Adam", dict(learning_rate=0.05)),
+    ("Adam", dict(learning_rate=0.05, amsgrad=True)),
+    ("AdamW", dict(learning_rate=0.05, weight_decay=0.02)),
+])
+def test_torch_fused_adam_is_taken_per_dtype_and_equals_keras(
+        monkeypatch, name, kwargs):
+    calls = _Calls(monkeypatch, "_fused_adam_")
+    weights, grads = _problem()
+    ours, _ = _train(getattr(keras_ema_opt, name)(**kwargs), weights, grads)
+    # One kernel call per (device, dtype) per step: float32 and float64.
+    assert calls.count == 2 * len(grads)
+    theirs, _ = _train(getattr(keras.optimizers, name)(**kwargs), weights,
+                       grads)
+    for a, b in zip(ours, theirs):
+        np.testing.assert_allclose(to_numpy(a), to_numpy(b), rtol=1e-6,
+                                   atol=1e-6)
+
+
+@only_on("torch")
+def test_torch_fused_adam_falls_back_for_gradients_of_another_dtype(
+        monkeypatch):
+    """A float64 gradient for a float32 variable: Keras' own multi-tensor
+    step runs (torch's kernel needs one dtype)."""
+    calls = _Calls(monkeypatch, "_fused_adam_")
+    weights, grads = _problem(("float32",) * 3)
+    grads = [[g.astype("float64") if i == 0 else g for i, g in enumerate(s)]
+             for s in grads]
+    ours, _ = _train(keras_ema_opt.Adam(0.05), weights, grads)
+    assert calls.count == 0
+    theirs, _ = _train(keras.optimizers.Adam(0.05), weights, grads)
+    for a, b in zip(ours, theirs):
+        np.testing.assert_array_equal(to_numpy(a), to_numpy(b))
+
+
+# Per step: "copy" (before start_step), "keep" (off the `every` grid) or
+# the decay d of `a <- d a + (1 - d) w`.
+@pytest.mark.parametrize("averaging,actions", [
+    (keras_ema_opt.EMA(0.8), [0.8] * 6),
+    (keras_ema_opt.EMA(0.8, start_step=2, every=2),
+     ["copy", "copy", "keep", 0.64, "keep", 0.64]),
+    (keras_ema_opt.SWA(), [0.0, 1 / 2, 2 / 3, 3 / 4, 4 / 5, 5 / 6]),
+])
+def test_averages_equal_the_formula_in_float64(averaging, actions):
+    """Whatever path updates them (on PyTorch the lerp fast path, with
+    float32 and float64 groups), the averages follow the formula."""
+    weights, grads = _problem()
+    opt = keras_ema_opt.SGD(0.1, momentum=0.5, averaging=averaging)
+    variables, trajectory = _train(opt, weights, grads)
+    expected = [w.copy() for w in trajectory[0]]
+    for step, action in enumerate(actions, 1):
+        for i, w in enumerate(trajectory[step]):
+            if action == "copy":
+                expected[i] = w.copy()
+            elif action != "keep":
+                expected[i] = action * expected[i] + (1 - action) * w
+    for var, want in zip(variables, expected):
+        np.testing.assert_allclose(
+            to_numpy(opt.average_of(var)).astype(np.float64), want,
+            rtol=1e-6, atol=1e-6, err_msg=var.path)
+
+
+@only_on("torch")
+def test_torch_lerp_is_taken_per_dtype_and_falls_back_for_other_dtypes(
+        monkeypatch):
+    calls = _Calls(monkeypatch, "_foreach_lerp_")
+    weights, grads = _problem()
+    _train(keras_ema_opt.SGD(0.1, averaging=keras_ema_opt.EMA(0.9)),
+           weights, grads)
+    assert calls.count == 2 * len(grads)  # float32 and float64 groups
+    # float32 averages of bfloat16 weights: no lerp (dtypes differ).
+    calls.count = 0
+    opt = keras_ema_opt.SGD(0.1, averaging=keras_ema_opt.EMA(
+        0.9, average_dtype="float32"))
+    variables = [keras.Variable(np.ones(3, "float32"), dtype="bfloat16")]
+    opt.apply_gradients([(keras.ops.ones((3,), "bfloat16"), variables[0])])
+    assert calls.count == 0
+    np.testing.assert_allclose(
+        to_numpy(opt.average_of(variables[0])),
+        0.9 * 1.0 + 0.1 * to_numpy(variables[0]).astype("float32"),
+        rtol=1e-6)
+
+
+@only_on("tensorflow")
+def test_tf_lerp_kernel_serves_plain_averages_only(monkeypatch):
+    """One fused kernel per average for a plain EMA; the engine's exact
+    ``where`` path where a step may copy (``start_step``)."""
+    import tensorflow as tf
+
+    calls = _Calls(monkeypatch, "ResourceApplyGradientDescent", tf.raw_ops)
+    weights, grads = _problem()
+    _train(keras_ema_opt.SGD(0.1, averaging=keras_ema_opt.EMA(0.9)),
+           weights, grads)
+    assert calls.count == 3 * len(grads)
+    calls.count = 0
+    _train(keras_ema_opt.SGD(0.1, averaging=keras_ema_opt.EMA(
+        0.9, start_step=2)), weights, grads)
+    assert calls.count == 0
+
+
+@only_on("torch")
+def test_torch_compiled_fit_steps_through_keras_own_update():
+    """Under ``model.compile(jit_compile=True)`` (torch.compile) the fused
+    kernel, whose step size is computed on the host, steps aside for
+    Keras' traceable update: the same training as without compilation."""
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(16, 3)).astype("float32")
+    y = rng.normal(size=(16, 1)).astype("float32")
+    states = []
+    for jit in (False, True):
+        keras.utils.set_random_seed(0)
+        model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
+        model.compile(optimizer=keras_ema_opt.Adam(
+            0.05, averaging=keras_ema_opt.EMA(0.5, finalize=False)),
+            loss="mse", jit_compile=jit)
+        model.fit(x, y, batch_size=8, epochs=2, verbose=0, shuffle=False)
+        states.append([to_numpy(v) for v in model.weights] + [
+            to_numpy(model.optimizer.average_of(v))
+            for v in model.trainable_weights])
+    for a, b in zip(*states):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
