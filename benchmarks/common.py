@@ -8,20 +8,12 @@ import time
 
 import numpy as np
 
-N_TENSORS = 200
-SIZE = 50_000
+# The problem of the performance issue; the environment can shrink it
+# (the smoke test of the benchmarks does).
+N_TENSORS = int(os.environ.get("KEO_BENCH_TENSORS", 200))
+SIZE = int(os.environ.get("KEO_BENCH_SIZE", 50_000))
 WARMUP = 5
-REPEATS = 25
-
-
-def problem(n_tensors=N_TENSORS, size=SIZE, seed=0):
-    """Weights and gradients as float32 numpy arrays."""
-    rng = np.random.default_rng(seed)
-    weights = [rng.standard_normal(size, dtype=np.float32)
-               for _ in range(n_tensors)]
-    grads = [rng.standard_normal(size, dtype=np.float32) * 1e-2
-             for _ in range(n_tensors)]
-    return weights, grads
+REPEATS = int(os.environ.get("KEO_BENCH_REPEATS", 25))
 
 
 def median_time(step, sync, warmup=WARMUP, repeats=REPEATS):
@@ -39,7 +31,10 @@ def median_time(step, sync, warmup=WARMUP, repeats=REPEATS):
     return statistics.median(times)
 
 
-def copy_bandwidth(megabytes=256, repeats=7):
+BANDWIDTH_MB = int(os.environ.get("KEO_BENCH_BANDWIDTH_MB", 256))
+
+
+def copy_bandwidth(megabytes=BANDWIDTH_MB, repeats=7):
     """Bytes per second (read + write) of a large copy split over every
     core, the best of ``repeats``: the machine's memory bandwidth, the
     roofline of an update that streams its tensors."""

@@ -21,11 +21,11 @@ import numpy as np
 from benchmarks import common
 
 BACKEND = os.environ.get("KERAS_BACKEND", "jax")
-LAYERS = 60
-WIDTH = 256
+LAYERS = int(os.environ.get("KEO_BENCH_LAYERS", 60))
+WIDTH = int(os.environ.get("KEO_BENCH_WIDTH", 256))
 BATCH = 32
-STEPS = 60
-WARMUP = 10
+STEPS = int(os.environ.get("KEO_BENCH_STEPS", 60))
+WARMUP = min(10, STEPS // 3)
 
 
 class _Clock:

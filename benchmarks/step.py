@@ -239,7 +239,7 @@ def configurations(strategies=STRATEGIES):
     return out
 
 
-def backend_copy_bandwidth(megabytes=256, repeats=7):
+def backend_copy_bandwidth(megabytes=common.BANDWIDTH_MB, repeats=7):
     """Bytes per second of a large scale-by-one (read + write) in this
     backend's own compiled or multi-threaded kernels."""
     import time

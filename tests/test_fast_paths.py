@@ -97,11 +97,16 @@ def test_torch_fused_adam_falls_back_for_gradients_of_another_dtype(
      ["copy", "copy", "keep", 0.64, "keep", 0.64]),
     (keras_ema_opt.SWA(), [0.0, 1 / 2, 2 / 3, 3 / 4, 4 / 5, 5 / 6]),
 ])
-def test_averages_equal_the_formula_in_float64(averaging, actions):
+@pytest.mark.parametrize("optimizer", ["SGD", "Adam"])
+def test_averages_equal_the_formula_in_float64(averaging, actions,
+                                               optimizer):
     """Whatever path updates them (on PyTorch the lerp fast path, with
-    float32 and float64 groups), the averages follow the formula."""
+    float32 and float64 groups; with Adam, folded into torch's fused
+    update, each run of variables averaged right after its update), the
+    averages follow the formula, once per step."""
     weights, grads = _problem()
-    opt = keras_ema_opt.SGD(0.1, momentum=0.5, averaging=averaging)
+    opt = getattr(keras_ema_opt, optimizer)(0.05, averaging=type(
+        averaging).from_config(averaging.get_config()))
     variables, trajectory = _train(opt, weights, grads)
     expected = [w.copy() for w in trajectory[0]]
     for step, action in enumerate(actions, 1):

@@ -39,6 +39,7 @@ class Averager:
         self.count = None
         self.debias = None
         self.swaps = []  # open swaps (Python state only while open)
+        self._folded = set()  # averaged by this step's update (fold_weights)
 
     # -- state -------------------------------------------------------------
 
@@ -155,16 +156,9 @@ class Averager:
         return [(i, self.variables[i])
                 for i in range(self.first_extra or 0, len(self.variables))]
 
-    def update(self, optimizer, extras_only=False, applied=None):
-        """One update after the optimizer's step (traceable, no Python ifs on
-        tensors). Under gradient accumulation only real steps count.
-
-        Non-trainable variables whose new value the step cannot see (JAX
-        ``fit()``, where the optimizer runs before the model's new
-        statistics are returned) are skipped here and updated by
-        ``extras_only=True`` afterwards, from the same counters (``applied``:
-        whether the optimizer step was taken at all).
-        """
+    def _plan(self, optimizer, applied=None):
+        """(average, copy, decays) of this step: the gates (``None`` when
+        every step averages) and one decay per slot."""
         strategy = self.strategy
         t, real = self._step(optimizer, applied)
         plain = real is None and strategy.start_step == 0 and (
@@ -182,8 +176,44 @@ class Averager:
                 average = ops.logical_and(average, real)
                 copy = ops.logical_and(copy, real)
         n = ops.cast(self.count.value, "int32") + 1
-        decays = strategy.decays(n, t)
-        targets = list(self._targets(optimizer, extras_only))
+        return average, copy, strategy.decays(n, t)
+
+    def fold_weights(self, optimizer):
+        """For a backend update step that averages each variable right
+        after updating it (while it is in cache): the weight ``w`` of
+        ``a <- a + w (x - a)`` per slot, for this step. The step then calls
+        :meth:`folded` with the variables it averaged, and :meth:`update`
+        leaves those to it (and still moves the counters)."""
+        average, copy, decays = self._plan(optimizer)
+        return [self._weight(d, average, copy) for d in decays]
+
+    def folded(self, variables):
+        """Mark ``variables`` as averaged for this step by the update."""
+        self._folded = getattr(self, "_folded", set()) | {
+            id(v) for v in variables}
+
+    def slots_of(self, optimizer, variable):
+        """The average variables of ``variable`` (one per slot), or None."""
+        i = self.index(optimizer, variable)
+        return None if i is None else self.slots[i]
+
+    def update(self, optimizer, extras_only=False, applied=None):
+        """One update after the optimizer's step (traceable, no Python ifs on
+        tensors). Under gradient accumulation only real steps count.
+
+        Non-trainable variables whose new value the step cannot see (JAX
+        ``fit()``, where the optimizer runs before the model's new
+        statistics are returned) are skipped here and updated by
+        ``extras_only=True`` afterwards, from the same counters (``applied``:
+        whether the optimizer step was taken at all). Variables the
+        backend's update step already averaged (:meth:`fold_weights`) are
+        skipped too.
+        """
+        average, copy, decays = self._plan(optimizer, applied)
+        folded = getattr(self, "_folded", None) or set()
+        self._folded = set()
+        targets = [target for target in self._targets(optimizer, extras_only)
+                   if id(target[1]) not in folded]
         for k, decay in enumerate(decays):
             pairs = [(slots[k], var) for _, var, slots in targets]
             # A backend fast path (PyTorch: one `_foreach_lerp_` per device

@@ -59,7 +59,10 @@ def _with_fused_step(fused, cls):
 class _FusedAdamStep:
     """Keras' Adam update (``AdamW``: its decoupled decay is applied before,
     by Keras) as torch's fused kernel: one pass over each tensor instead of
-    Keras' ten ``torch._foreach`` passes and four temporaries.
+    Keras' ten ``torch._foreach`` passes and four temporaries. With
+    averaging, the averages are folded into the update: the variables are
+    updated in chunks of about a megabyte and each chunk is averaged right
+    after (``torch._foreach_lerp_``), reading the new weights from cache.
 
     The rule is Keras': ``m <- b1 m + (1 - b1) g``, ``v <- b2 v + (1 - b2)
     g^2`` (``v_hat = max(v_hat, v)`` with AMSGrad), ``w <- w - alpha m /
@@ -75,31 +78,156 @@ class _FusedAdamStep:
     """
 
     def _parallel_update_step(self, grads, variables, learning_rate):
-        groups = _fusable_groups(grads, variables)
-        if groups is None or not hasattr(torch, "_fused_adam_") or (
-                _compiling()):
+        if not hasattr(torch, "_fused_adam_") or _compiling() or (
+                _stateless()):
             # Under torch.compile (`model.compile(jit_compile=True)`) the
             # compiler fuses Keras' own step; its host-side step size would
             # break the graph.
+            return super()._parallel_update_step(grads, variables,
+                                                 learning_rate)
+        plan = _plan(self, variables)
+        positions = plan.positions(grads)
+        if positions is None:
             return super()._parallel_update_step(grads, variables,
                                                  learning_rate)
         lr = learning_rate.value if hasattr(learning_rate, "value") else (
             learning_rate)
         alpha = _keras_adam_alpha(float(lr), self.beta_1, self.beta_2,
                                   int(self.iterations.value.item()) + 1)
-        for (device, _), (grad_list, var_list) in groups.items():
-            index = [self._get_variable_index(v) for v in var_list]
-            steps = [_no_bias_correction(device)] * len(var_list)
+        averager = getattr(self, "_averager", None)
+        weights = averager.fold_weights(self) if plan.averages else None
+        beta_1, beta_2 = float(self.beta_1), float(self.beta_2)
+        for chunk in plan.chunks:
             torch._fused_adam_(
-                [v.value for v in var_list], grad_list,
-                [self._momentums[i].value for i in index],
-                [self._velocities[i].value for i in index],
-                [self._velocity_hats[i].value for i in index]
-                if self.amsgrad else [],
-                steps, lr=alpha, beta1=float(self.beta_1),
-                beta2=float(self.beta_2), weight_decay=0.0,
+                chunk.params, [grads[j] for j in chunk.indices],
+                chunk.m, chunk.v, chunk.v_hat, chunk.steps, lr=alpha,
+                beta1=beta_1, beta2=beta_2, weight_decay=0.0,
                 eps=float(self.epsilon), amsgrad=bool(self.amsgrad),
                 maximize=False)
+            if weights is not None:
+                for averages, weight in zip(chunk.averages, weights):
+                    if averages:
+                        torch._foreach_lerp_(
+                            averages, chunk.averaged_params,
+                            weight.to(device=chunk.device,
+                                      dtype=chunk.dtype))
+        if weights is not None:
+            averager.folded(plan.averaged)
+
+
+# Variables updated, then averaged, in chunks of about this many elements:
+# the averaging reads each new weight while it is still in cache.
+_CHUNK_ELEMENTS = 1 << 18
+
+
+class _Chunk:
+    """Tensors of a run of variables of one device and dtype: theirs, their
+    Adam slots, their averages (per slot), fixed for the optimizer's life."""
+
+    def __init__(self, optimizer, variables, indices, averager):
+        first = variables[indices[0]]._value
+        self.device, self.dtype = first.device, first.dtype
+        self.indices = indices
+        chunk = [variables[j] for j in indices]
+        index = [optimizer._get_variable_index(v) for v in chunk]
+        self.params = [v._value for v in chunk]
+        self.m = [optimizer._momentums[i]._value for i in index]
+        self.v = [optimizer._velocities[i]._value for i in index]
+        self.v_hat = [optimizer._velocity_hats[i]._value for i in index] if (
+            optimizer.amsgrad) else []
+        self.steps = [_no_bias_correction(self.device)] * len(chunk)
+        self.averaged, self.averaged_params = [], []
+        slots = [averager.slots_of(optimizer, v) if averager else None
+                 for v in chunk]
+        count = max((len(s) for s in slots if s), default=0)
+        self.averages = [[] for _ in range(count)]
+        for var, var_slots in zip(chunk, slots):
+            if not var_slots or any(s._value.dtype != self.dtype
+                                    for s in var_slots):
+                continue  # averaged by the engine (another dtype)
+            self.averaged.append(var)
+            self.averaged_params.append(var._value)
+            for k, slot in enumerate(var_slots):
+                self.averages[k].append(slot._value)
+
+    def current(self, variables):
+        return all(variables[j]._value is p
+                   for j, p in zip(self.indices, self.params))
+
+
+class _Plan:
+    """How a fused step runs over one list of variables."""
+
+    def __init__(self, optimizer, variables):
+        self.variables = list(variables)
+        averager = getattr(optimizer, "_averager", None)
+        groups = {}
+        for j, var in enumerate(self.variables):
+            value = var._value
+            groups.setdefault((value.device, value.dtype), []).append(j)
+        self.fusable = all(dtype in _FUSED_DTYPES and device.type in (
+            "cpu", "cuda") for device, dtype in groups)
+        self.chunks = []
+        for indices in groups.values():
+            run, size = [], 0
+            for j in indices:
+                run.append(j)
+                size += math.prod(self.variables[j].shape)
+                if size >= _CHUNK_ELEMENTS:
+                    self.chunks.append(_Chunk(optimizer, self.variables, run,
+                                              averager))
+                    run, size = [], 0
+            if run:
+                self.chunks.append(_Chunk(optimizer, self.variables, run,
+                                          averager))
+        self.averaged = [v for c in self.chunks for v in c.averaged]
+        self.averages = bool(self.averaged)
+
+    def current(self):
+        return all(c.current(self.variables) for c in self.chunks)
+
+    def positions(self, grads):
+        """The gradients are fusable: dense, of their variable's dtype and
+        device; else None."""
+        if not self.fusable:
+            return None
+        for g, var in zip(grads, self.variables):
+            value = var._value
+            if (not isinstance(g, torch.Tensor) or g.is_sparse
+                    or g.dtype != value.dtype or g.device != value.device):
+                return None
+        return True
+
+
+def _plan(optimizer, variables):
+    key = tuple(id(v) for v in variables)
+    cache = optimizer.__dict__.setdefault("_keo_fused_plans", {})
+    plan = cache.get(key)
+    if plan is None or not plan.current():
+        plan = cache[key] = _Plan(optimizer, variables)
+    return plan
+
+
+def _stateless():
+    from keras.src.backend.common.stateless_scope import in_stateless_scope
+
+    return in_stateless_scope() or str(keras_device()) == "meta"
+
+
+def _tensors(variables):
+    """The torch tensors of Keras variables. Keras' ``Variable.value``
+    checks for a stateless scope, a symbolic device and autocasting on
+    every read (about 4 us, a thousand reads a step); outside those, which
+    an eager optimizer step is, the stored tensor is read directly."""
+    if _stateless():
+        return [v.value for v in variables]
+    return [v._value for v in variables]
+
+
+def keras_device():
+    from keras.src.backend.torch.core import get_device
+
+    return get_device()
 
 
 def _compiling():
@@ -130,24 +258,6 @@ def _no_bias_correction(device):
         step = _STEPS[device] = torch.tensor(1e9, dtype=torch.float32,
                                              device=device)
     return step
-
-
-def _fusable_groups(grads, variables):
-    """``{(device, dtype): (grads, variables)}`` when every gradient is a
-    dense tensor of its variable's dtype and device, on a device and dtype
-    torch's fused optimizers take; else None."""
-    groups = {}
-    for g, v in zip(grads, variables):
-        value = v.value
-        if (not isinstance(g, torch.Tensor) or g.is_sparse
-                or g.dtype != value.dtype or g.device != value.device
-                or value.dtype not in _FUSED_DTYPES
-                or value.device.type not in ("cpu", "cuda")):
-            return None
-        pair = groups.setdefault((value.device, value.dtype), ([], []))
-        pair[0].append(g)
-        pair[1].append(v)
-    return groups
 
 
 _FUSED_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
@@ -290,8 +400,9 @@ def lerp_averages(pairs, weight, gated=False):
     del gated  # torch's lerp is exact at both ends
     groups = {}
     rest = []
-    for slot, var in pairs:
-        a, x = slot.value, var.value
+    slots = _tensors([slot for slot, _ in pairs])
+    values = _tensors([var for _, var in pairs])
+    for (slot, var), a, x in zip(pairs, slots, values):
         if (a.dtype != x.dtype or a.device != x.device
                 or not a.is_floating_point()):
             rest.append((slot, var))

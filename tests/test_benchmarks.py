@@ -1,0 +1,85 @@
+"""The benchmarks run (a small problem, one process per backend) and their
+table holds the issue's bounds computed right. No timing is asserted:
+performance is measured by ``python -m benchmarks``, not by tests."""
+
+import json
+import os
+import sys
+
+import pytest
+
+from conftest import BACKEND
+from conftest import ROOT
+from conftest import run_python
+
+sys.path.insert(0, ROOT)
+from benchmarks import __main__ as driver  # noqa: E402
+
+PEERS = {"jax": "optax_ema", "tensorflow": "tf_keras_ema",
+         "torch": "torch_adam+lerp"}
+SMALL = dict(KEO_BENCH_TENSORS="3", KEO_BENCH_SIZE="64",
+             KEO_BENCH_REPEATS="2", KEO_BENCH_BANDWIDTH_MB="4",
+             KEO_BENCH_LAYERS="3", KEO_BENCH_WIDTH="8", KEO_BENCH_STEPS="12")
+
+
+def _bench_lines(proc):
+    return [json.loads(line[6:]) for line in proc.stdout.splitlines()
+            if line.startswith("BENCH ")]
+
+
+def test_step_and_fit_benchmarks_run_on_this_backend():
+    if BACKEND == "tensorflow":
+        pytest.importorskip("tf_keras")
+    names = f"keras_ema,ours:ema,ours:powerema,{PEERS[BACKEND]}"
+    step = _bench_lines(run_python("-m", "benchmarks.step", "--names", names,
+                                   backend=BACKEND, timeout=300, **SMALL))
+    assert [r["name"] for r in step] == names.split(",")
+    for r in step:
+        assert r["backend"] == BACKEND and r["seconds"] > 0
+        assert r["roofline_seconds"] > 0
+    assert [r["averages"] for r in step] == [1, 1, 2, 1]
+    fit = _bench_lines(run_python("-m", "benchmarks.fit", "--names",
+                                  "ours,ours:ema", backend=BACKEND,
+                                  timeout=300, **SMALL))
+    assert [r["name"] for r in fit] == ["ours", "ours:ema"]
+    memory = _bench_lines(run_python("-m", "benchmarks.step", "--memory",
+                                     "ours:ema", backend=BACKEND,
+                                     timeout=300, **SMALL))
+    assert memory[0]["needed_bytes"] == 3 * 64 * 4 * 5
+
+
+def _result(bench, name, seconds, roofline=1.0, backend="torch", **extra):
+    return dict(bench=bench, backend=backend, name=name, seconds=seconds,
+                roofline_seconds=roofline, **extra)
+
+
+def test_checks_hold_the_issue_bounds(tmp_path):
+    results = [
+        _result("step", "torch_adam+lerp", 10.0, roofline=2.0),
+        _result("step", "keras_ema", 30.0, roofline=2.0),
+        _result("step", "ours:ema", 11.0, roofline=2.0),
+        # Two averages: held to the peer scaled by the bytes (3 / 2).
+        _result("step", "ours:powerema", 16.0, roofline=3.0),
+        _result("fit", "ours", 10.0), _result("fit", "ours:ema", 11.5),
+        dict(bench="memory", backend="torch", name="ours:ema", ratio=1.05,
+             growth_bytes=105, needed_bytes=100),
+    ]
+    checks = {c[0]: c[1:] for c in driver.checks(results)}
+    ratio, bound, ok = checks["torch step: ours:ema / torch_adam+lerp"]
+    assert (round(ratio, 3), bound, ok) == (1.1, 1.15, True)
+    ratio, _, ok = checks[
+        "torch step: ours:powerema / torch_adam+lerp (x bytes)"]
+    assert (round(ratio, 3), ok) == (round(16 / 15, 3), True)
+    speedup, bound, ok = checks[
+        "torch step: Keras use_ema / ours:ema (speed-up)"]
+    assert (round(speedup, 3), bound, ok) == (round(30 / 11, 3), 2.5, True)
+    added, bound, ok = checks["torch fit: ours:ema added to the step"]
+    assert (round(added, 3), bound, ok) == (0.15, 0.10, False)
+    assert checks["torch memory: ours:ema growth / state bytes"][2] is True
+    paths = driver.write(results, tmp_path, "cpu")
+    table = paths["table"].read_text()
+    assert "| torch fit: ours:ema added to the step | 0.15 | 0.10 | MISSED |" \
+        in table
+    assert paths["plot"].read_bytes()[:4] == b"\x89PNG"
+    assert sorted(os.listdir(tmp_path)) == [
+        "cpu-plot.png", "cpu-results.json", "cpu-table.md"]
