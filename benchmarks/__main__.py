@@ -94,6 +94,12 @@ def _by(results, bench, backend):
             if r["bench"] == bench and r["backend"] == backend}
 
 
+def _bytes(averages):
+    from benchmarks import common
+
+    return common.adam_bytes(1, averages)
+
+
 def checks(results):
     """Each bound of the performance issue: (what, measured, bound, ok)."""
     out = []
@@ -104,8 +110,9 @@ def checks(results):
         for name, r in step.items():
             if not name.startswith("ours:") or peer is None:
                 continue
-            # A strategy with k averages may move the bytes of k.
-            scale = r["roofline_seconds"] / peer["roofline_seconds"]
+            # A strategy with k averages may move the bytes of k (the
+            # peer keeps one).
+            scale = _bytes(r["averages"]) / _bytes(peer["averages"])
             ratio = r["seconds"] / (peer["seconds"] * scale)
             out.append((f"{backend} step: {name} / {peer_name}"
                         f"{' (x bytes)' if scale != 1 else ''}",
@@ -173,6 +180,31 @@ def table(results, device):
     return "\n".join(lines) + "\n"
 
 
+def summary(results):
+    """The README's table: per backend, ours against Keras' own and the
+    peer, step and fit."""
+    lines = ["| backend | Adam step: Keras `use_ema` | ours, EMA | peer, EMA "
+             "| ours / peer | fit step: Keras `use_ema` | ours, no avg | "
+             "ours, EMA |", "|---|---|---|---|---|---|---|---|"]
+    for backend in sorted({r["backend"] for r in results}):
+        step = _by(results, "step", backend)
+        fit = _by(results, "fit", backend)
+        peer = BOUNDS[backend][0]
+
+        def ms(table, name):
+            r = table.get(name)
+            return f"{r['seconds'] * 1e3:.1f} ms" if r else "-"
+
+        ratio = (f"{step['ours:ema']['seconds'] / step[peer]['seconds']:.2f}"
+                 if "ours:ema" in step and peer in step else "-")
+        lines.append(
+            f"| {backend} | {ms(step, 'keras_ema')} | {ms(step, 'ours:ema')}"
+            f" | {ms(step, peer)} ({peer}) | {ratio} | "
+            f"{ms(fit, 'keras_ema')} | {ms(fit, 'ours')} | "
+            f"{ms(fit, 'ours:ema')} |")
+    return "\n".join(lines) + "\n"
+
+
 def plot(results, path):
     import matplotlib
 
@@ -213,6 +245,7 @@ def write(results, out, device):
                           for c in checks(results)]}
     paths = {"json": out / f"{device}-results.json",
              "table": out / f"{device}-table.md",
+             "summary": out / f"{device}-summary.md",
              "plot": out / f"{device}-plot.png"}
     for kind, path in paths.items():
         tmp = path.with_suffix(path.suffix + ".tmp")
@@ -220,6 +253,8 @@ def write(results, out, device):
             tmp.write_text(json.dumps(payload, indent=1))
         elif kind == "table":
             tmp.write_text(table(results, device))
+        elif kind == "summary":
+            tmp.write_text(summary(results))
         else:
             plot(results, tmp)
         os.replace(tmp, path)

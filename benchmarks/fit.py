@@ -24,8 +24,8 @@ BACKEND = os.environ.get("KERAS_BACKEND", "jax")
 LAYERS = int(os.environ.get("KEO_BENCH_LAYERS", 60))
 WIDTH = int(os.environ.get("KEO_BENCH_WIDTH", 256))
 BATCH = 32
-STEPS = int(os.environ.get("KEO_BENCH_STEPS", 60))
-WARMUP = min(10, STEPS // 3)
+STEPS = int(os.environ.get("KEO_BENCH_STEPS", 120))
+WARMUP = min(20, STEPS // 3)
 
 
 class _Clock:
