@@ -59,18 +59,11 @@ def model():
 
 
 def optimizer(name):
-    import keras
+    """The optimizers of the step benchmark (its ``jit_compile`` has no
+    effect inside ``fit()``, whose step is compiled as a whole)."""
+    from benchmarks.step import keras_optimizer
 
-    import keras_ema_opt
-
-    from benchmarks.step import LR, MOMENTUM, averaging
-
-    if name == "keras":
-        return keras.optimizers.Adam(LR)
-    if name == "keras_ema":
-        return keras.optimizers.Adam(LR, use_ema=True, ema_momentum=MOMENTUM)
-    strategy = None if name == "ours" else name.split(":", 1)[1]
-    return keras_ema_opt.Adam(LR, averaging=averaging(strategy))
+    return keras_optimizer(name)
 
 
 NAMES = ("keras", "keras_ema", "ours", "ours:ema", "ours:ema_power",
