@@ -697,6 +697,10 @@ class Optimizer(backend.OptimizerHooks, keras.optimizers.Optimizer):
         """
         if self.built:
             return
+        with backend.build_scope():
+            self._build_state(variables)
+
+    def _build_state(self, variables):
         backend.sync_initial_state(self, variables)
         averager = None
         if self.averaging is not None:

@@ -62,6 +62,7 @@ def test_checks_hold_the_issue_bounds(tmp_path):
         # (Adam's 7 floats an element, 2 per average: 11 / 9).
         _result("step", "ours:powerema", 13.0, averages=2),
         _result("fit", "ours", 10.0), _result("fit", "ours:ema", 11.5),
+        _result("fit", "ours:powerema", 11.8),
         dict(bench="memory", backend="torch", name="ours:ema", ratio=1.05,
              growth_bytes=105, needed_bytes=100),
     ]
@@ -76,6 +77,10 @@ def test_checks_hold_the_issue_bounds(tmp_path):
     assert (round(speedup, 3), bound, ok) == (round(30 / 11, 3), 2.5, True)
     added, bound, ok = checks["torch fit: ours:ema added to the step"]
     assert (round(added, 3), bound, ok) == (0.15, 0.10, False)
+    # Two averages: 10% each.
+    added, bound, ok = checks[
+        "torch fit: ours:powerema added to the step (2 averages)"]
+    assert (round(added, 3), bound, ok) == (0.18, 0.20, True)
     assert checks["torch memory: ours:ema growth / state bytes"][2] is True
     paths = driver.write(results, tmp_path, "cpu")
     table = paths["table"].read_text()

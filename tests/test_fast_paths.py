@@ -180,3 +180,49 @@ def test_torch_compiled_fit_steps_through_keras_own_update():
             for v in model.trainable_weights])
     for a, b in zip(*states):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+@only_on("tensorflow")
+@pytest.mark.parametrize("averaging", [
+    keras_ema_opt.EMA(0.9), keras_ema_opt.SWA(), keras_ema_opt.PowerEMA(),
+])
+@pytest.mark.parametrize("jit_compile", [False, True])
+def test_tf_step_that_builds_the_optimizer_lifts_its_state(averaging,
+                                                          jit_compile):
+    """Keras' TensorFlow ``fit()`` (no strategy) builds the optimizer inside
+    the first trace of its step. The averages start as copies of the
+    weights: created inside that trace from a tensor of more than 128
+    elements (captured as a placeholder, not a constant), ``tf.function``
+    could not lift their initial values. It then checked every optimizer
+    variable's initialization at each later call (a third of a 60-layer MLP's
+    fit step) and refused XLA outright ("failed to lift variable
+    creations"). They are created outside the trace: XLA runs, and the
+    averages still start from the weights before the first update."""
+    import tensorflow as tf
+
+    rng = np.random.default_rng(0)
+    w0 = rng.normal(size=(16, 12)).astype("float32")
+    grads = [rng.normal(size=w0.shape).astype("float32") for _ in range(3)]
+    variable = keras.Variable(w0)
+    opt = keras_ema_opt.SGD(0.1, averaging=averaging)
+
+    @tf.function(jit_compile=jit_compile)
+    def step(g):
+        opt.apply([g], [variable])
+
+    weights = [w0.astype(np.float64)]
+    for g in grads:
+        step(tf.constant(g))
+        weights.append(weights[-1] - 0.1 * g.astype(np.float64))
+    np.testing.assert_allclose(to_numpy(variable), weights[-1],
+                               rtol=1e-5, atol=1e-6)
+    if isinstance(averaging, keras_ema_opt.EMA):
+        average = weights[0]
+        for w in weights[1:]:
+            average = 0.9 * average + 0.1 * w
+    elif isinstance(averaging, keras_ema_opt.SWA):
+        average = np.mean(weights[1:], axis=0)
+    else:
+        return
+    np.testing.assert_allclose(to_numpy(opt.average_of(variable)),
+                               average, rtol=1e-5, atol=1e-6)

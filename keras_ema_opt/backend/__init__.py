@@ -35,6 +35,11 @@ here. Each backend module provides the same set:
   under a multi-worker strategy, make Keras' ``fit()`` work there).
 - ``chief_only_scope()``: a context for work the chief does alone
   (``model.save``; JAX: no global arrays are made meanwhile).
+- ``build_scope()``: the context the optimizer state is created in
+  (TensorFlow: outside a ``tf.function`` being traced, so that a step
+  which builds the optimizer on its first call, as Keras' ``fit()`` does
+  without a strategy, is traced once and does not check every variable's
+  initialization at each later call).
 - ``lerp_averages(pairs, weight, gated)``: the averaging update
   ``a <- a + weight (x - a)`` for the ``(average, variable)`` pairs a fast
   path takes (PyTorch: ``torch._foreach_lerp_`` by device and dtype;
@@ -85,6 +90,7 @@ is_chief = _impl.is_chief
 on_create = _impl.on_create
 chief_only_scope = _impl.chief_only_scope
 lerp_averages = _impl.lerp_averages
+build_scope = _impl.build_scope
 
 __all__ = [
     "NAME",
@@ -107,4 +113,5 @@ __all__ = [
     "on_create",
     "chief_only_scope",
     "lerp_averages",
+    "build_scope",
 ]

@@ -19,6 +19,7 @@ prepare_gradients = _common.prepare_gradients
 step_gradients = _common.step_gradients
 sync_initial_state = _common.sync_initial_state
 on_create = _common.on_create
+build_scope = _common.build_scope
 lerp_averages = _common.lerp_averages
 
 

@@ -10,6 +10,7 @@ from keras_ema_opt.backend import _common
 
 colocate_with = _common.no_placement
 on_create = _common.on_create
+build_scope = _common.build_scope
 chief_only_scope = _common.chief_only_scope
 assign_copy = _common.assign_copy
 value_visible = _common.value_visible
