@@ -13,7 +13,7 @@ import numpy as np
 N_TENSORS = int(os.environ.get("KEO_BENCH_TENSORS", 200))
 SIZE = int(os.environ.get("KEO_BENCH_SIZE", 50_000))
 WARMUP = 5
-REPEATS = int(os.environ.get("KEO_BENCH_REPEATS", 25))
+REPEATS = int(os.environ.get("KEO_BENCH_REPEATS", 50))
 
 
 def median_time(step, sync, warmup=WARMUP, repeats=REPEATS):

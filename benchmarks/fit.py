@@ -5,12 +5,16 @@ and without averaging, ours beside Keras' own ``use_ema``.
 
 Each configuration trains one epoch of ``STEPS`` batches; the time of a
 step is the median gap between consecutive ``on_train_batch_end`` calls
-after the first ``WARMUP`` (compilation and warm-up excluded). One
-``fit()`` call per configuration: Keras 3.15's ``use_ema=True`` cannot
-run a second ``fit()`` on JAX (defect L3).
+after the first ``WARMUP`` (compilation and warm-up excluded). The
+configurations take turns, ``ROUNDS`` times over, each turn with a new
+model and optimizer (Keras 3.15's ``use_ema=True`` cannot run a second
+``fit()`` on JAX, defect L3); the result is the median over the turns,
+so that a slow spell of the machine does not fall on one configuration
+only.
 """
 
 import argparse
+import gc
 import os
 import statistics
 import sys
@@ -26,6 +30,7 @@ WIDTH = int(os.environ.get("KEO_BENCH_WIDTH", 256))
 BATCH = 32
 STEPS = int(os.environ.get("KEO_BENCH_STEPS", 120))
 WARMUP = min(20, STEPS // 3)
+ROUNDS = int(os.environ.get("KEO_BENCH_ROUNDS", 3))
 
 
 class _Clock:
@@ -70,20 +75,29 @@ NAMES = ("keras", "keras_ema", "ours", "ours:ema", "ours:ema_power",
          "ours:swa", "ours:powerema")
 
 
-def run(names=NAMES):
+def run(names=NAMES, rounds=ROUNDS):
     rng = np.random.default_rng(0)
     x = rng.standard_normal((BATCH * STEPS, WIDTH), dtype=np.float32)
     y = rng.standard_normal((BATCH * STEPS, WIDTH), dtype=np.float32)
+    times = {name: [] for name in names}
+    parameters = {}
+    for _ in range(rounds):
+        for name in names:
+            m = model()
+            m.compile(optimizer=optimizer(name), loss="mse")
+            clock = _Clock()
+            m.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False,
+                  verbose=0, callbacks=[clock.callback])
+            times[name].append(clock.median_step())
+            parameters[name] = int(sum(np.prod(v.shape)
+                                       for v in m.trainable_weights))
+            del m
+            gc.collect()
     for name in names:
-        m = model()
-        m.compile(optimizer=optimizer(name), loss="mse")
-        clock = _Clock()
-        m.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0,
-              callbacks=[clock.callback])
         common.emit({"bench": "fit", "backend": BACKEND, "name": name,
-                     "seconds": clock.median_step(),
-                     "parameters": int(sum(np.prod(v.shape)
-                                           for v in m.trainable_weights))})
+                     "seconds": statistics.median(times[name]),
+                     "rounds": times[name],
+                     "parameters": parameters[name]})
 
 
 def main(argv=None):

@@ -19,7 +19,8 @@ PEERS = {"jax": "optax_ema", "tensorflow": "tf_keras_ema",
          "torch": "torch_adam+lerp"}
 SMALL = dict(KEO_BENCH_TENSORS="3", KEO_BENCH_SIZE="64",
              KEO_BENCH_REPEATS="2", KEO_BENCH_BANDWIDTH_MB="4",
-             KEO_BENCH_LAYERS="3", KEO_BENCH_WIDTH="8", KEO_BENCH_STEPS="12")
+             KEO_BENCH_LAYERS="3", KEO_BENCH_WIDTH="8", KEO_BENCH_STEPS="12",
+             KEO_BENCH_ROUNDS="2")
 
 
 def _bench_lines(proc):
@@ -42,6 +43,7 @@ def test_step_and_fit_benchmarks_run_on_this_backend():
                                   "ours,ours:ema", backend=BACKEND,
                                   timeout=300, **SMALL))
     assert [r["name"] for r in fit] == ["ours", "ours:ema"]
+    assert [len(r["rounds"]) for r in fit] == [2, 2]
     memory = _bench_lines(run_python("-m", "benchmarks.step", "--memory",
                                      "ours:ema", backend=BACKEND,
                                      timeout=300, **SMALL))
