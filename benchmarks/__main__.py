@@ -273,12 +273,19 @@ def main(argv=None):
                                              "results"))
     parser.add_argument("--no-fit", action="store_true")
     parser.add_argument("--no-memory", action="store_true")
-    parser.add_argument("--from-json", metavar="FILE",
-                        help="rebuild the table and plot of a results file")
+    parser.add_argument("--from-json", metavar="FILE", nargs="+",
+                        help="rebuild the table and plot of results files "
+                        "(several: runs of some backends each, on one kind "
+                        "of device, merged)")
     args = parser.parse_args(argv)
     if args.from_json:
-        payload = json.loads(Path(args.from_json).read_text())
-        device, results = payload["meta"]["device"], payload["results"]
+        payloads = [json.loads(Path(f).read_text()) for f in args.from_json]
+        devices = {p["meta"]["device"] for p in payloads}
+        if len(devices) != 1:
+            parser.error("--from-json: the files are of different devices: "
+                         f"{sorted(devices)}")
+        device = devices.pop()
+        results = [r for p in payloads for r in p["results"]]
     else:
         device = device_kind()
         results = collect([b for b in args.backends.split(",") if b],

@@ -248,11 +248,13 @@ def backend_copy_bandwidth(megabytes=common.BANDWIDTH_MB, repeats=7):
     if BACKEND == "torch":
         import torch
 
-        src = torch.ones(n)
+        src = torch.ones(n, device="cuda" if torch.cuda.is_available()
+                         else "cpu")
         dst = torch.empty_like(src)
 
         def copy():
             dst.copy_(src)
+            _sync_torch()
     elif BACKEND == "jax":
         import jax
 
@@ -268,7 +270,9 @@ def backend_copy_bandwidth(megabytes=common.BANDWIDTH_MB, repeats=7):
         scale = tf.function(lambda x: x * 1.0, jit_compile=True)
 
         def copy():
-            scale(src).numpy()[:1]
+            # One element back to the host: the whole result would add a
+            # device-to-host copy on a GPU.
+            scale(src)[:1].numpy()
     best = float("inf")
     for _ in range(repeats):
         start = time.perf_counter()
@@ -303,18 +307,55 @@ def memory(name, strategies=STRATEGIES):
     builder, kind, averages = configs[name]
     _import_backend()
     gc.collect()
-    baseline = common.current_rss_bytes()
+    device = device_memory()
+    baseline = device()[0] if device else common.current_rss_bytes()
     step, sync = builder(kind)
     for _ in range(10):
         step()
     sync()
-    peak = common.peak_rss_bytes()
+    peak = device()[1] if device else common.peak_rss_bytes()
     n = common.N_TENSORS * common.SIZE
     # parameters, gradients, two Adam moments, the averages
     needed = n * 4 * (4 + averages)
     common.emit({"bench": "memory", "backend": BACKEND, "name": name,
+                 "memory": "device" if device else "host",
                  "growth_bytes": peak - baseline, "needed_bytes": needed,
                  "ratio": (peak - baseline) / needed})
+
+
+def device_memory():
+    """On a GPU, a function giving (bytes in use, peak bytes in use) of the
+    accelerator's allocator (the state lives there, not in the process's
+    resident memory); None on a CPU."""
+    if BACKEND == "torch":
+        import torch
+
+        if not torch.cuda.is_available():
+            return None
+        torch.cuda.reset_peak_memory_stats()
+        return lambda: (torch.cuda.memory_allocated(),
+                        torch.cuda.max_memory_allocated())
+    if BACKEND == "jax":
+        import jax
+
+        device = jax.devices()[0]
+        if device.platform != "gpu":
+            return None
+
+        def stats():
+            s = device.memory_stats()
+            return s["bytes_in_use"], s["peak_bytes_in_use"]
+        return stats
+    import tensorflow as tf
+
+    if not tf.config.list_physical_devices("GPU"):
+        return None
+    tf.config.experimental.reset_memory_stats("GPU:0")
+
+    def stats():
+        s = tf.config.experimental.get_memory_info("GPU:0")
+        return s["current"], s["peak"]
+    return stats
 
 
 def _import_backend():

@@ -93,3 +93,23 @@ def test_checks_hold_the_issue_bounds(tmp_path):
         "cpu-plot.png", "cpu-results.json", "cpu-summary.md", "cpu-table.md"]
     assert "| torch | 30000.0 ms | 11000.0 ms | 10000.0 ms (torch_adam+lerp)" \
         " | 1.10 |" in paths["summary"].read_text()
+
+
+def test_from_json_merges_runs_of_one_device_and_refuses_two(tmp_path):
+    """The GPU run comes back one backend per call: the files merge into one
+    table; files of different devices do not."""
+    files = []
+    for backend, device in (("jax", "gpu"), ("torch", "gpu"),
+                            ("torch", "cpu")):
+        path = tmp_path / f"{backend}-{device}.json"
+        path.write_text(json.dumps({
+            "meta": {"device": device},
+            "results": [_result("step", "ours:ema", 1e-3, backend=backend)],
+        }))
+        files.append(str(path))
+    out = tmp_path / "out"
+    assert driver.main(["--from-json", *files[:2], "--out", str(out)]) == 0
+    table = (out / "gpu-table.md").read_text()
+    assert "### jax" in table and "### torch" in table
+    with pytest.raises(SystemExit):
+        driver.main(["--from-json", *files[1:], "--out", str(out)])
