@@ -23,6 +23,7 @@ import time
 import numpy as np
 
 from benchmarks import common
+from benchmarks.step import keras_optimizer
 
 BACKEND = os.environ.get("KERAS_BACKEND", "jax")
 LAYERS = int(os.environ.get("KEO_BENCH_LAYERS", 60))
@@ -33,23 +34,23 @@ WARMUP = min(20, STEPS // 3)
 ROUNDS = int(os.environ.get("KEO_BENCH_ROUNDS", 3))
 
 
-class _Clock:
-    def __init__(self):
-        import keras
+def _clock():
+    """A callback noting when each batch ends (Keras imported late: the
+    backend is chosen by the environment first)."""
+    import keras
 
-        class Clock(keras.callbacks.Callback):
-            def __init__(self):
-                super().__init__()
-                self.times = []
+    class Clock(keras.callbacks.Callback):
+        def __init__(self):
+            super().__init__()
+            self.times = []
 
-            def on_train_batch_end(self, batch, logs=None):
-                self.times.append(time.perf_counter())
+        def on_train_batch_end(self, batch, logs=None):
+            self.times.append(time.perf_counter())
 
-        self.callback = Clock()
+        def median_step(self):
+            return statistics.median(np.diff(self.times[WARMUP:]))
 
-    def median_step(self):
-        t = self.callback.times[WARMUP:]
-        return statistics.median(np.diff(t))
+    return Clock()
 
 
 def model():
@@ -61,14 +62,6 @@ def model():
                for _ in range(LAYERS - 1)]
     layers.append(keras.layers.Dense(WIDTH))
     return keras.Sequential(layers)
-
-
-def optimizer(name):
-    """The optimizers of the step benchmark (its ``jit_compile`` has no
-    effect inside ``fit()``, whose step is compiled as a whole)."""
-    from benchmarks.step import keras_optimizer
-
-    return keras_optimizer(name)
 
 
 NAMES = ("keras", "keras_ema", "ours", "ours:ema", "ours:ema_power",
@@ -84,10 +77,12 @@ def run(names=NAMES, rounds=ROUNDS):
     for _ in range(rounds):
         for name in names:
             m = model()
-            m.compile(optimizer=optimizer(name), loss="mse")
-            clock = _Clock()
+            # The optimizers of the step benchmark (their `jit_compile`
+            # has no effect in fit(), whose step is compiled as a whole).
+            m.compile(optimizer=keras_optimizer(name), loss="mse")
+            clock = _clock()
             m.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False,
-                  verbose=0, callbacks=[clock.callback])
+                  verbose=0, callbacks=[clock])
             times[name].append(clock.median_step())
             parameters[name] = int(sum(np.prod(v.shape)
                                        for v in m.trainable_weights))

@@ -36,7 +36,7 @@ def averaging(name):
 
 
 def n_averages(name):
-    return {None: 0, "keras_ema": 1, "powerema": 2}.get(name, 1)
+    return {None: 0, "powerema": 2}.get(name, 1)
 
 
 def tensors(n=common.N_TENSORS, size=common.SIZE, seed=0):
@@ -170,8 +170,10 @@ def optax_step(kind):
     import jax
     import optax
 
-    params = [jax.numpy.asarray(w) for w, _ in tensors()]
-    grads = [jax.numpy.asarray(g) for _, g in tensors()]
+    params, grads = [], []
+    for w, g in tensors():
+        params.append(jax.numpy.asarray(w))
+        grads.append(jax.numpy.asarray(g))
     tx = optax.adam(LR)
     ema = optax.ema(MOMENTUM, debias=False)
     state = {"p": params, "s": tx.init(params), "e": ema.init(params)}

@@ -211,7 +211,7 @@ def _parser():
         "inspect", help="print what a Keras 2 artifact holds")
     inspect.add_argument("src")
     inspect.add_argument("--json", action="store_true", help="print JSON")
-    bench = sub.add_parser(
+    sub.add_parser(
         "bench", help="benchmarks beside the peers (python -m benchmarks)",
         add_help=False)
     info = sub.add_parser("info", help="print versions of what is installed")

@@ -189,8 +189,7 @@ class Averager:
 
     def folded(self, variables):
         """Mark ``variables`` as averaged for this step by the update."""
-        self._folded = getattr(self, "_folded", set()) | {
-            id(v) for v in variables}
+        self._folded |= {id(v) for v in variables}
 
     def slots_of(self, optimizer, variable):
         """The average variables of ``variable`` (one per slot), or None."""
@@ -210,8 +209,7 @@ class Averager:
         skipped too.
         """
         average, copy, decays = self._plan(optimizer, applied)
-        folded = getattr(self, "_folded", None) or set()
-        self._folded = set()
+        folded, self._folded = self._folded, set()
         targets = [target for target in self._targets(optimizer, extras_only)
                    if id(target[1]) not in folded]
         for k, decay in enumerate(decays):

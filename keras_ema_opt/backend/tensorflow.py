@@ -9,7 +9,6 @@ import keras
 from keras_ema_opt.backend import _common
 
 keras_optimizer_class = _common.keras_optimizer_class
-
 value_visible = _common.value_visible
 attach_model = _common.attach_model
 sync_training_state = _common.sync_training_state

@@ -87,8 +87,7 @@ class _FusedAdamStep:
             return super()._parallel_update_step(grads, variables,
                                                  learning_rate)
         plan = _plan(self, variables)
-        positions = plan.positions(grads)
-        if positions is None:
+        if not plan.takes(grads):
             return super()._parallel_update_step(grads, variables,
                                                  learning_rate)
         lr = learning_rate.value if hasattr(learning_rate, "value") else (
@@ -96,7 +95,7 @@ class _FusedAdamStep:
         alpha = _keras_adam_alpha(float(lr), self.beta_1, self.beta_2,
                                   int(self.iterations.value.item()) + 1)
         averager = getattr(self, "_averager", None)
-        weights = averager.fold_weights(self) if plan.averages else None
+        weights = averager.fold_weights(self) if plan.averaged else None
         beta_1, beta_2 = float(self.beta_1), float(self.beta_2)
         for chunk in plan.chunks:
             torch._fused_adam_(
@@ -182,22 +181,17 @@ class _Plan:
                 self.chunks.append(_Chunk(optimizer, self.variables, run,
                                           averager))
         self.averaged = [v for c in self.chunks for v in c.averaged]
-        self.averages = bool(self.averaged)
 
     def current(self):
         return all(c.current(self.variables) for c in self.chunks)
 
-    def positions(self, grads):
-        """The gradients are fusable: dense, of their variable's dtype and
-        device; else None."""
-        if not self.fusable:
-            return None
-        for g, var in zip(grads, self.variables):
-            value = var._value
-            if (not isinstance(g, torch.Tensor) or g.is_sparse
-                    or g.dtype != value.dtype or g.device != value.device):
-                return None
-        return True
+    def takes(self, grads):
+        """Whether the fused kernel can take these gradients: dense, of
+        their variable's dtype and device."""
+        return self.fusable and all(
+            isinstance(g, torch.Tensor) and not g.is_sparse
+            and g.dtype == var._value.dtype and g.device == var._value.device
+            for g, var in zip(grads, self.variables))
 
 
 def _plan(optimizer, variables):
@@ -388,7 +382,6 @@ def is_chief():
     dist = torch.distributed
     return not (dist.is_available() and dist.is_initialized()) or (
         dist.get_rank() == 0)
-
 
 
 def lerp_averages(pairs, weight, gated=False):
