@@ -21,6 +21,8 @@ import sys
 import time
 from pathlib import Path
 
+from benchmarks import common
+
 ROOT = Path(__file__).resolve().parent.parent
 BACKENDS = ("jax", "tensorflow", "torch")
 
@@ -39,9 +41,9 @@ BOUNDS = {
 }
 
 
-def _run(module, backend, *args, timeout=1800):
+def _run(module, backend, *args, timeout=1800, **variables):
     env = dict(os.environ, KERAS_BACKEND=backend, TF_CPP_MIN_LOG_LEVEL="3",
-               PYTHONHASHSEED="0")
+               PYTHONHASHSEED="0", **variables)
     proc = subprocess.run(
         [sys.executable, "-m", module, *args], cwd=ROOT, env=env,
         capture_output=True, text=True, timeout=timeout)
@@ -83,9 +85,17 @@ def collect(backends, fit=True, memory=True, say=print):
             say(f"[bench] {backend}: fit step")
             results += _run("benchmarks.fit", backend)
         if memory:
+            # Each configuration twice: at the problem's size and with
+            # tensors twice as large. What does not grow with the state
+            # (the runtime, the compiled program, allocator pools) cancels
+            # in the difference of the two growths.
+            doubled = str(2 * common.SIZE)
             for name in MEMORY[backend]:
                 say(f"[bench] {backend}: peak memory of {name}")
                 results += _run("benchmarks.step", backend, "--memory", name)
+                for r in _run("benchmarks.step", backend, "--memory", name,
+                              KEO_BENCH_SIZE=doubled):
+                    results.append(dict(r, bench="memory_doubled"))
     return results
 
 
@@ -141,9 +151,17 @@ def checks(results):
                     out.append((f"{backend} fit: {name} added to the step"
                                 f"{f' ({k} averages)' if k != 1 else ''}",
                                 ratio, 0.10 * k, ratio <= 0.10 * k))
+        doubled = _by(results, "memory_doubled", backend)
         for name, r in _by(results, "memory", backend).items():
             out.append((f"{backend} memory: {name} growth / state bytes",
                         r["ratio"], 1.10, r["ratio"] <= 1.10))
+            d = doubled.get(name)
+            if d and d["needed_bytes"] > r["needed_bytes"]:
+                marginal = ((d["growth_bytes"] - r["growth_bytes"])
+                            / (d["needed_bytes"] - r["needed_bytes"]))
+                out.append((f"{backend} memory: {name} growth per state "
+                            "byte (tensors x2; fixed costs cancel)",
+                            marginal, 1.10, marginal <= 1.10))
     return out
 
 

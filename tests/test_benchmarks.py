@@ -67,6 +67,9 @@ def test_checks_hold_the_issue_bounds(tmp_path):
         _result("fit", "ours:powerema", 11.8),
         dict(bench="memory", backend="torch", name="ours:ema", ratio=1.05,
              growth_bytes=105, needed_bytes=100),
+        # Tensors twice as large: 60 of the 105 bytes did not grow.
+        dict(bench="memory_doubled", backend="torch", name="ours:ema",
+             ratio=0.825, growth_bytes=165, needed_bytes=200),
     ]
     checks = {c[0]: c[1:] for c in driver.checks(results)}
     ratio, bound, ok = checks["torch step: ours:ema / torch_adam+lerp"]
@@ -84,6 +87,10 @@ def test_checks_hold_the_issue_bounds(tmp_path):
         "torch fit: ours:powerema added to the step (2 averages)"]
     assert (round(added, 3), bound, ok) == (0.18, 0.20, True)
     assert checks["torch memory: ours:ema growth / state bytes"][2] is True
+    # (165 - 105) / (200 - 100): the growth per byte of state.
+    marginal, bound, ok = checks["torch memory: ours:ema growth per state "
+                                 "byte (tensors x2; fixed costs cancel)"]
+    assert (round(marginal, 3), bound, ok) == (0.6, 1.10, True)
     paths = driver.write(results, tmp_path, "cpu")
     table = paths["table"].read_text()
     assert "| torch fit: ours:ema added to the step | 0.15 | 0.10 | MISSED |" \
