@@ -105,8 +105,6 @@ def _by(results, bench, backend):
 
 
 def _bytes(averages):
-    from benchmarks import common
-
     return common.adam_bytes(1, averages)
 
 

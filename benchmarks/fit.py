@@ -78,7 +78,8 @@ def run(names=NAMES, rounds=ROUNDS):
         for name in names:
             m = model()
             # The optimizers of the step benchmark (their `jit_compile`
-            # has no effect in fit(), whose step is compiled as a whole).
+            # concerns eager steps: in fit() the step's own compilation,
+            # or the lack of it, applies).
             m.compile(optimizer=keras_optimizer(name), loss="mse")
             clock = _clock()
             m.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False,
