@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 import keras_ema_opt
+from conftest import BACKEND
 from conftest import only_on
 from conftest import to_numpy
 
@@ -226,3 +227,36 @@ def test_tf_step_that_builds_the_optimizer_lifts_its_state(averaging,
         return
     np.testing.assert_allclose(to_numpy(opt.average_of(variable)),
                                average, rtol=1e-5, atol=1e-6)
+
+
+def _buffer_address(variable):
+    value = variable.value
+    if BACKEND == "jax":
+        return value.unsafe_buffer_pointer()
+    if BACKEND == "torch":
+        return value.data_ptr()
+    # A CPU EagerTensor's numpy view shares its buffer.
+    return np.asarray(value.read_value()).__array_interface__["data"][0]
+
+
+@pytest.mark.parametrize("averaging", [
+    keras_ema_opt.EMA(0.9), keras_ema_opt.PowerEMA(),
+])
+def test_averages_start_in_buffers_of_their_own(averaging):
+    """An average made from its weight owns its memory from the start. On
+    TensorFlow an ``identity`` of the weight shares the weight's buffer,
+    and the first step then had to copy both before writing either: one
+    transient copy of every averaged weight at the peak (measured by
+    ``python -m benchmarks``: growth per state byte 1.39, 1.09 now)."""
+    rng = np.random.default_rng(0)
+    variable = keras.Variable(rng.normal(size=(300,)).astype("float32"))
+    opt = keras_ema_opt.SGD(0.1, averaging=averaging)
+    opt.build([variable])
+    addresses = {_buffer_address(variable)}
+    averages = [v for v in opt.variables
+                if "average" in v.name and tuple(v.shape) == (300,)]
+    assert len(averages) == averaging.num_slots
+    for average in averages:
+        addresses.add(_buffer_address(average))
+        np.testing.assert_array_equal(to_numpy(average), to_numpy(variable))
+    assert len(addresses) == 1 + averaging.num_slots

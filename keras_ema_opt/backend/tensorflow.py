@@ -171,9 +171,14 @@ def current_value(variable):
     The optimizer is often built inside ``fit()``'s first traced step: a
     read traced there would run after that step's forward pass had updated
     the BatchNorm statistics, not now.
+
+    A ``Snapshot``, not an ``identity``: an identity shares the variable's
+    buffer, so the average made from it would too, and the first step
+    would then copy both the weight and its average before it could write
+    either (one transient copy of every averaged weight at the peak).
     """
     with tf.init_scope():
-        return tf.identity(_tf_variable(variable).read_value())
+        return tf.raw_ops.Snapshot(input=_tf_variable(variable).read_value())
 
 
 
