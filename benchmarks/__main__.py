@@ -17,6 +17,7 @@ import json
 import os
 import platform
 import subprocess
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -104,6 +105,17 @@ def _by(results, bench, backend):
             if r["bench"] == bench and r["backend"] == backend}
 
 
+def _paired(r, base, compare):
+    """``compare(r, base)`` over fit steps: the median over the rounds of
+    the two configurations' step times in the same round (they ran one
+    after the other, so a slow spell of the machine falls on both), else
+    of the two medians."""
+    a, b = r.get("rounds"), base.get("rounds")
+    if a and b and len(a) == len(b):
+        return statistics.median(compare(x, y) for x, y in zip(a, b))
+    return compare(r["seconds"], base["seconds"])
+
+
 def _bytes(averages):
     return common.adam_bytes(1, averages)
 
@@ -145,7 +157,7 @@ def checks(results):
                     # 10% per average kept (PowerEMA keeps two: their
                     # traffic is allowed, no more).
                     k = step.get(name, {}).get("averages", 1)
-                    ratio = r["seconds"] / fit["ours"]["seconds"] - 1
+                    ratio = _paired(r, fit["ours"], lambda a, b: a / b) - 1
                     out.append((f"{backend} fit: {name} added to the step"
                                 f"{f' ({k} averages)' if k != 1 else ''}",
                                 ratio, 0.10 * k, ratio <= 0.10 * k))
@@ -192,12 +204,63 @@ def table(results, device):
             lines[-1] += (f" {f['seconds'] * 1e3:.2f} |" if f else " |")
             lines[-1] += (f" {m['ratio']:.2f} |" if m else " |")
         lines.append("")
+    lines += _fit_traffic(results)
     lines += ["### Bounds", "", "| check | measured | bound | |",
               "|---|---|---|---|"]
     for what, value, bound, ok in checks(results):
         lines.append(f"| {what} | {value:.2f} | {bound:.2f} | "
                      f"{'ok' if ok else 'MISSED'} |")
     return "\n".join(lines) + "\n"
+
+
+def fit_traffic(results):
+    """Per backend and averaged fit configuration: (backend, name, added
+    seconds, base step seconds, seconds of its memory traffic unfused,
+    folded). What the average adds to a fit step against what its bytes
+    alone cost at the copy bandwidth measured in the same run: unfused, a
+    separate loop reads the new weight back and reads and writes each
+    average (3 floats an element per average); folded into the update,
+    the new weight is still in registers (2)."""
+    out = []
+    for backend in sorted({r["backend"] for r in results}):
+        step = _by(results, "step", backend)
+        fit = _by(results, "fit", backend)
+        base = fit.get("ours")
+        bandwidth = max((r.get("bandwidth", 0) for r in step.values()),
+                        default=0)
+        if base is None or not bandwidth:
+            continue
+        for name, r in sorted(fit.items()):
+            if not name.startswith("ours:") or "parameters" not in r:
+                continue
+            k = step.get(name, {}).get("averages", 1)
+            per_float = r["parameters"] * 4 * k / bandwidth
+            out.append((backend, name,
+                        _paired(r, base, lambda a, b: a - b),
+                        base["seconds"], 3 * per_float, 2 * per_float))
+    return out
+
+
+def _fit_traffic(results):
+    rows = fit_traffic(results)
+    if not rows:
+        return []
+    lines = ["### Fit: the average's cost against its memory traffic", "",
+             "Added = fit step with the average - without. Traffic = the "
+             "average's bytes / copy bandwidth: unfused (the new weight "
+             "read back, the average read and written: 3 floats an element"
+             " per average), folded into the update (2). Shares are of the "
+             "step without an average.", "",
+             "| backend | configuration | added (ms) | traffic unfused (ms)"
+             " | share | traffic folded (ms) | share | added / unfused |",
+             "|---|---|---|---|---|---|---|---|"]
+    for backend, name, added, base, unfused, folded in rows:
+        lines.append(
+            f"| {backend} | {name} | {added * 1e3:.2f} | "
+            f"{unfused * 1e3:.2f} | {unfused / base:.2f} | "
+            f"{folded * 1e3:.2f} | {folded / base:.2f} | "
+            f"{added / unfused:.2f} |")
+    return lines + [""]
 
 
 def summary(results):

@@ -52,7 +52,8 @@ def test_step_and_fit_benchmarks_run_on_this_backend():
 
 def _result(bench, name, seconds, averages=1, backend="torch", **extra):
     return dict(bench=bench, backend=backend, name=name, seconds=seconds,
-                roofline_seconds=1e-3, averages=averages, **extra)
+                roofline_seconds=1e-3, averages=averages, bandwidth=1e10,
+                **extra)
 
 
 def test_checks_hold_the_issue_bounds(tmp_path):
@@ -63,8 +64,9 @@ def test_checks_hold_the_issue_bounds(tmp_path):
         # Two averages: held to the peer scaled by the bytes they move
         # (Adam's 7 floats an element, 2 per average: 11 / 9).
         _result("step", "ours:powerema", 13.0, averages=2),
-        _result("fit", "ours", 10.0), _result("fit", "ours:ema", 11.5),
-        _result("fit", "ours:powerema", 11.8),
+        _result("fit", "ours", 10.0, parameters=10**9),
+        _result("fit", "ours:ema", 11.5, parameters=10**9),
+        _result("fit", "ours:powerema", 11.8, parameters=10**9),
         dict(bench="memory", backend="torch", name="ours:ema", ratio=1.05,
              growth_bytes=105, needed_bytes=100),
         # Tensors twice as large: 60 of the 105 bytes did not grow.
@@ -93,6 +95,13 @@ def test_checks_hold_the_issue_bounds(tmp_path):
     assert (round(marginal, 3), bound, ok) == (0.6, 1.10, True)
     paths = driver.write(results, tmp_path, "cpu")
     table = paths["table"].read_text()
+    # 1e9 parameters at 1e10 bytes/s: 4 bytes x 3 floats = 1.2 s unfused
+    # (0.12 of the 10 s step), 0.8 s folded; 1.5 s added = 1.25 x that.
+    assert ("| torch | ours:ema | 1500.00 | 1200.00 | 0.12 | 800.00 | 0.08 "
+            "| 1.25 |" in table)
+    # Two averages move twice the bytes.
+    assert ("| torch | ours:powerema | 1800.00 | 2400.00 | 0.24 | 1600.00 "
+            "| 0.16 | 0.75 |" in table)
     assert "| torch fit: ours:ema added to the step | 0.15 | 0.10 | MISSED |" \
         in table
     assert paths["plot"].read_bytes()[:4] == b"\x89PNG"
@@ -120,3 +129,15 @@ def test_from_json_merges_runs_of_one_device_and_refuses_two(tmp_path):
     assert "### jax" in table and "### torch" in table
     with pytest.raises(SystemExit):
         driver.main(["--from-json", *files[1:], "--out", str(out)])
+
+
+def test_fit_overhead_pairs_the_rounds():
+    """The fit configurations take turns: the overhead is the median over
+    the rounds of each round's own ratio, so that a slow round of the
+    machine falls on both sides (the ratio of the medians would say 30%
+    here, where two rounds of three say 5%)."""
+    base = _result("fit", "ours", 10.0, rounds=[10.0, 20.0, 10.0])
+    ema = _result("fit", "ours:ema", 13.0, rounds=[10.5, 21.0, 13.0])
+    checks = {c[0]: c[1:] for c in driver.checks([base, ema])}
+    added, bound, ok = checks["torch fit: ours:ema added to the step"]
+    assert (round(added, 3), ok) == (0.05, True)
