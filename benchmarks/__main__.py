@@ -16,8 +16,8 @@ import argparse
 import json
 import os
 import platform
-import subprocess
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -204,7 +204,7 @@ def table(results, device):
             lines[-1] += (f" {f['seconds'] * 1e3:.2f} |" if f else " |")
             lines[-1] += (f" {m['ratio']:.2f} |" if m else " |")
         lines.append("")
-    lines += _fit_traffic(results)
+    lines += _fit_traffic_lines(results)
     lines += ["### Bounds", "", "| check | measured | bound | |",
               "|---|---|---|---|"]
     for what, value, bound, ok in checks(results):
@@ -234,14 +234,18 @@ def fit_traffic(results):
             if not name.startswith("ours:") or "parameters" not in r:
                 continue
             k = step.get(name, {}).get("averages", 1)
-            per_float = r["parameters"] * 4 * k / bandwidth
+            n = r["parameters"]
+            # The roofline's bytes of k averages, and the new weight read
+            # back (one float more per two) where they are not folded.
+            folded = (common.adam_bytes(n, k) - common.adam_bytes(n, 0)) / (
+                bandwidth)
             out.append((backend, name,
                         _paired(r, base, lambda a, b: a - b),
-                        base["seconds"], 3 * per_float, 2 * per_float))
+                        base["seconds"], folded * 3 / 2, folded))
     return out
 
 
-def _fit_traffic(results):
+def _fit_traffic_lines(results):
     rows = fit_traffic(results)
     if not rows:
         return []
