@@ -107,10 +107,14 @@ def _by(results, bench, backend):
 
 def _paired(r, base, compare):
     """``compare(r, base)`` over fit steps: the median over the rounds of
-    the two configurations' step times in the same round (they ran one
-    after the other, so a slow spell of the machine falls on both), else
-    of the two medians."""
+    the two configurations' step times in the same round: of the baseline
+    run right beside this one where the record has it (``paired_rounds``),
+    else of the round's baseline (the configurations ran one after the
+    other, so a slow spell of the machine falls on both), else of the two
+    medians."""
     a, b = r.get("rounds"), base.get("rounds")
+    if r.get("paired_with") == base["name"] and r.get("paired_rounds"):
+        b = r["paired_rounds"]
     if a and b and len(a) == len(b):
         return statistics.median(compare(x, y) for x, y in zip(a, b))
     return compare(r["seconds"], base["seconds"])

@@ -11,6 +11,14 @@ model and optimizer (Keras 3.15's ``use_ema=True`` cannot run a second
 ``fit()`` on JAX, defect L3); the result is the median over the turns,
 so that a slow spell of the machine does not fall on one configuration
 only.
+
+An averaged configuration runs right beside a run of its baseline (ours
+without an average; Keras without ``use_ema``), first before it, then
+after it in the next round: its overhead is the median over the rounds
+of those adjacent pairs' ratios. Runs far apart in a round do not share
+the machine's state as neighbours do: ``ours`` run first and sixth in a
+round of six measured 8% apart on JAX (the median over four rounds), as
+much as an average adds.
 """
 
 import argparse
@@ -68,32 +76,78 @@ NAMES = ("keras", "keras_ema", "ours", "ours:ema", "ours:ema_power",
          "ours:swa", "ours:powerema")
 
 
+# Each averaged configuration and the baseline it is measured against.
+BASELINES = {"keras_ema": "keras", "ours:ema": "ours",
+             "ours:ema_power": "ours", "ours:swa": "ours",
+             "ours:powerema": "ours"}
+
+
+def _paired(names):
+    """The configurations of ``names`` whose baseline is among them."""
+    return [name for name in names if BASELINES.get(name) in names]
+
+
+def schedule(names, round_index):
+    """The configurations one round runs, in order: each averaged one beside
+    a run of its baseline, the baseline first in even rounds and second in
+    odd ones; the others (a configuration without its baseline among
+    ``names``, a baseline nothing is paired with) alone, first."""
+    paired = _paired(names)
+    bases = {BASELINES[name] for name in paired}
+    runs = [name for name in names if name not in paired
+            and name not in bases]
+    for name in paired:
+        pair = [BASELINES[name], name]
+        runs += pair if round_index % 2 == 0 else pair[::-1]
+    return runs
+
+
+def _fit_once(name, x, y):
+    m = model()
+    # The optimizers of the step benchmark (their `jit_compile` concerns
+    # eager steps: in fit() the step's own compilation, or the lack of it,
+    # applies).
+    m.compile(optimizer=keras_optimizer(name), loss="mse")
+    clock = _clock()
+    m.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0,
+          callbacks=[clock])
+    parameters = int(sum(np.prod(v.shape) for v in m.trainable_weights))
+    del m
+    gc.collect()
+    return clock.median_step(), parameters
+
+
 def run(names=NAMES, rounds=ROUNDS):
     rng = np.random.default_rng(0)
     x = rng.standard_normal((BATCH * STEPS, WIDTH), dtype=np.float32)
     y = rng.standard_normal((BATCH * STEPS, WIDTH), dtype=np.float32)
-    times = {name: [] for name in names}
+    names = list(names)
+    times = {name: [] for name in names}  # per round, one run or several
+    beside = {name: [] for name in names}  # the adjacent baseline's run
     parameters = {}
-    for _ in range(rounds):
+    for r in range(rounds):
         for name in names:
-            m = model()
-            # The optimizers of the step benchmark (their `jit_compile`
-            # concerns eager steps: in fit() the step's own compilation,
-            # or the lack of it, applies).
-            m.compile(optimizer=keras_optimizer(name), loss="mse")
-            clock = _clock()
-            m.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False,
-                  verbose=0, callbacks=[clock])
-            times[name].append(clock.median_step())
-            parameters[name] = int(sum(np.prod(v.shape)
-                                       for v in m.trainable_weights))
-            del m
-            gc.collect()
+            times[name].append([])
+        for name in schedule(names, r):
+            seconds, parameters[name] = _fit_once(name, x, y)
+            times[name][-1].append(seconds)
+        paired = _paired(names)
+        for name in paired:
+            # The baseline's run adjacent to this one: its k-th run of the
+            # round is the one beside the k-th configuration paired with it.
+            base = BASELINES[name]
+            k = [n for n in paired if BASELINES[n] == base].index(name)
+            beside[name].append(times[base][-1][k])
     for name in names:
-        common.emit({"bench": "fit", "backend": BACKEND, "name": name,
-                     "seconds": statistics.median(times[name]),
-                     "rounds": times[name],
-                     "parameters": parameters[name]})
+        runs = [t for round_times in times[name] for t in round_times]
+        record = {"bench": "fit", "backend": BACKEND, "name": name,
+                  "seconds": statistics.median(runs),
+                  "rounds": [statistics.median(t) for t in times[name]],
+                  "parameters": parameters[name]}
+        if beside[name]:
+            record["paired_with"] = BASELINES[name]
+            record["paired_rounds"] = beside[name]
+        common.emit(record)
 
 
 def main(argv=None):

@@ -44,6 +44,9 @@ def test_step_and_fit_benchmarks_run_on_this_backend():
                                   timeout=300, **SMALL))
     assert [r["name"] for r in fit] == ["ours", "ours:ema"]
     assert [len(r["rounds"]) for r in fit] == [2, 2]
+    assert "paired_with" not in fit[0]
+    assert fit[1]["paired_with"] == "ours"
+    assert len(fit[1]["paired_rounds"]) == 2
     memory = _bench_lines(run_python("-m", "benchmarks.step", "--memory",
                                      "ours:ema", backend=BACKEND,
                                      timeout=300, **SMALL))
@@ -129,6 +132,35 @@ def test_from_json_merges_runs_of_one_device_and_refuses_two(tmp_path):
     assert "### jax" in table and "### torch" in table
     with pytest.raises(SystemExit):
         driver.main(["--from-json", *files[1:], "--out", str(out)])
+
+
+def test_fit_runs_each_average_beside_its_baseline_in_turn():
+    from benchmarks import fit
+
+    names = ["keras", "keras_ema", "ours", "ours:ema", "ours:swa"]
+    assert fit.schedule(names, 0) == ["keras", "keras_ema", "ours",
+                                      "ours:ema", "ours", "ours:swa"]
+    assert fit.schedule(names, 1) == ["keras_ema", "keras", "ours:ema",
+                                      "ours", "ours:swa", "ours"]
+    # Without its baseline a configuration runs alone, as does a baseline
+    # nothing is paired with.
+    assert fit.schedule(["ours:ema", "keras"], 1) == ["ours:ema", "keras"]
+
+
+def test_fit_overhead_takes_the_adjacent_baseline_run():
+    """Where the record names the baseline run beside each of its own, the
+    ratio is taken against that run, not against the round's baseline."""
+    base = _result("fit", "ours", 10.0, rounds=[10.0, 10.0, 10.0])
+    ema = _result("fit", "ours:ema", 12.0, rounds=[12.0, 12.6, 11.55],
+                  paired_with="ours", paired_rounds=[11.0, 12.0, 11.0])
+    checks = {c[0]: c[1:] for c in driver.checks([base, ema])}
+    added, bound, ok = checks["torch fit: ours:ema added to the step"]
+    assert (round(added, 3), ok) == (0.05, True)
+    # A record paired with another baseline is compared with the round's.
+    other = dict(ema, paired_with="keras")
+    checks = {c[0]: c[1:] for c in driver.checks([base, other])}
+    assert round(checks["torch fit: ours:ema added to the step"][0],
+                 3) == 0.2
 
 
 def test_fit_overhead_pairs_the_rounds():
