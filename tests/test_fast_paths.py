@@ -75,6 +75,48 @@ def test_torch_fused_adam_is_taken_per_dtype_and_equals_keras(
 
 
 @only_on("torch")
+@pytest.mark.parametrize("averaging", [
+    None, keras_ema_opt.EMA(0.9, warmup="power"),
+    keras_ema_opt.SWA(start_step=2),
+])
+@pytest.mark.parametrize("schedule", [False, True])
+def test_torch_fused_adam_reads_nothing_back_to_the_host(
+        monkeypatch, averaging, schedule):
+    """The fused step's size is computed where the step count lives: on
+    CUDA, reading it or the learning rate back to the host would wait for
+    the device's queued work at every step. No tensor is read back during
+    a step (on the CPU here, by the same code), and the result is Keras'
+    Adam's to round-off."""
+    import torch
+
+    def optimizer(cls, **kwargs):
+        lr = keras.optimizers.schedules.ExponentialDecay(
+            0.05, decay_steps=2, decay_rate=0.5) if schedule else 0.05
+        return cls(learning_rate=lr, **kwargs)
+
+    weights, grads = _problem()
+    calls = _Calls(monkeypatch, "_fused_adam_")
+    ours = optimizer(keras_ema_opt.Adam, averaging=averaging)
+    variables = [keras.Variable(w, dtype=w.dtype) for w in weights]
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a tensor was read back to the host in a step")
+
+    for step in grads:
+        grad_tensors = [keras.ops.convert_to_tensor(g) for g in step]
+        with monkeypatch.context() as guard:
+            for name in ("item", "tolist", "numpy", "__float__", "__int__",
+                         "__bool__"):
+                guard.setattr(torch.Tensor, name, refuse)
+            ours.apply_gradients(zip(grad_tensors, variables))
+    assert calls.count == 2 * len(grads)
+    theirs, _ = _train(optimizer(keras.optimizers.Adam), weights, grads)
+    for a, b in zip(variables, theirs):
+        np.testing.assert_allclose(to_numpy(a), to_numpy(b), rtol=1e-6,
+                                   atol=1e-6)
+
+
+@only_on("torch")
 def test_torch_fused_adam_falls_back_for_gradients_of_another_dtype(
         monkeypatch):
     """A float64 gradient for a float32 variable: Keras' own multi-tensor

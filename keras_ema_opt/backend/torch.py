@@ -95,17 +95,15 @@ class _FusedAdamStep:
         if not plan.takes(grads):
             return super()._parallel_update_step(grads, variables,
                                                  learning_rate)
-        lr = learning_rate.value if hasattr(learning_rate, "value") else (
-            learning_rate)
-        alpha = _keras_adam_alpha(float(lr), self.beta_1, self.beta_2,
-                                  int(self.iterations.value.item()) + 1)
+        alpha = _step_size(self, learning_rate)
         averager = getattr(self, "_averager", None)
         weights = averager.fold_weights(self) if plan.averaged else None
         beta_1, beta_2 = float(self.beta_1), float(self.beta_2)
         for group in plan.groups:
             torch._fused_adam_(
                 group.params, [grads[j] for j in group.indices],
-                group.m, group.v, group.v_hat, group.steps, lr=alpha,
+                group.m, group.v, group.v_hat, group.steps,
+                lr=alpha.to(group.device),
                 beta1=beta_1, beta2=beta_2, weight_decay=0.0,
                 eps=float(self.epsilon), amsgrad=bool(self.amsgrad),
                 maximize=False)
@@ -219,16 +217,25 @@ def _compiling():
     return bool(compiler is not None and compiler.is_compiling())
 
 
-def _keras_adam_alpha(lr, beta_1, beta_2, step):
-    """``lr sqrt(1 - b2^t) / (1 - b1^t)`` in float32, operation by
-    operation as ``keras/src/backend/torch/optimizers/torch_adam.py``."""
-    import numpy as np
-
-    f = np.float32
-    t = f(step)
-    b1_power = np.power(f(beta_1), t)
-    b2_power = np.power(f(beta_2), t)
-    return float(f(lr) * np.sqrt(f(1) - b2_power) / (f(1) - b1_power))
+def _step_size(optimizer, learning_rate):
+    """Keras' ``alpha = lr sqrt(1 - b2^t) / (1 - b1^t)`` for torch's
+    kernel, by the float32 torch ops of Keras' own step (the same value,
+    bit for bit: numpy's float32 power is one ulp off torch's at some
+    steps), as a 0-dim tensor on the step count's device. Nothing is read
+    back to the host: on CUDA that would wait at every step for the work
+    queued before it."""
+    f32 = torch.float32
+    step = optimizer.iterations.value
+    lr = learning_rate.value if hasattr(learning_rate, "value") else (
+        learning_rate)
+    if isinstance(lr, torch.Tensor):
+        lr = lr.to(device=step.device, dtype=f32)
+    else:
+        lr = torch.full((), float(lr), dtype=f32, device=step.device)
+    t = (step + 1).to(f32)
+    beta_1_power = torch.pow(float(optimizer.beta_1), t)
+    beta_2_power = torch.pow(float(optimizer.beta_2), t)
+    return lr * torch.sqrt(1 - beta_2_power) / (1 - beta_1_power)
 
 
 _STEPS = {}
