@@ -13,9 +13,10 @@ so that a slow spell of the machine does not fall on one configuration
 only.
 
 An averaged configuration runs right beside a run of its baseline (ours
-without an average; Keras without ``use_ema``), first before it, then
-after it in the next round: its overhead is the median over the rounds
-of those adjacent pairs' ratios. Runs far apart in a round do not share
+without an average; Keras without ``use_ema``), the baseline first in
+even rounds and second in odd ones (an even ``ROUNDS`` balances the two
+orders): its overhead is the median over the rounds of those adjacent
+pairs' ratios. Runs far apart in a round do not share
 the machine's state as neighbours do: ``ours`` run first and sixth in a
 round of six measured 8% apart on JAX (the median over four rounds), as
 much as an average adds.
@@ -121,7 +122,7 @@ def run(names=NAMES, rounds=ROUNDS):
     rng = np.random.default_rng(0)
     x = rng.standard_normal((BATCH * STEPS, WIDTH), dtype=np.float32)
     y = rng.standard_normal((BATCH * STEPS, WIDTH), dtype=np.float32)
-    names = list(names)
+    names = list(dict.fromkeys(names))  # each configuration once
     times = {name: [] for name in names}  # per round, one run or several
     beside = {name: [] for name in names}  # the adjacent baseline's run
     parameters = {}

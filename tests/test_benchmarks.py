@@ -147,6 +147,38 @@ def test_fit_runs_each_average_beside_its_baseline_in_turn():
     assert fit.schedule(["ours:ema", "keras"], 1) == ["ours:ema", "keras"]
 
 
+def test_fit_records_pair_each_run_with_the_baseline_run_beside_it(
+        monkeypatch, capsys):
+    """Each configuration's ``paired_rounds`` are the baseline's runs right
+    beside its own (the second configuration paired with ``ours`` gets
+    ``ours``' second run of each round), whatever the order."""
+    from benchmarks import fit
+
+    clock = iter(range(1, 1000))
+    order = []
+
+    def fit_once(name, x, y):
+        order.append(name)
+        return float(next(clock)), 7
+
+    monkeypatch.setattr(fit, "_fit_once", fit_once)
+    monkeypatch.setattr(fit, "STEPS", 2)
+    fit.run(["ours", "ours:ema", "ours:swa", "ours"], rounds=2)
+    records = [json.loads(line[6:])
+               for line in capsys.readouterr().out.splitlines()
+               if line.startswith("BENCH ")]
+    assert [r["name"] for r in records] == ["ours", "ours:ema", "ours:swa"]
+    # Round 0: ours(1) ema(2) ours(3) swa(4); round 1: ema(5) ours(6)
+    # swa(7) ours(8).
+    assert order == ["ours", "ours:ema", "ours", "ours:swa",
+                     "ours:ema", "ours", "ours:swa", "ours"]
+    ours, ema, swa = records
+    assert "paired_with" not in ours and ours["rounds"] == [2.0, 7.0]
+    assert (ema["rounds"], ema["paired_rounds"]) == ([2.0, 5.0], [1.0, 6.0])
+    assert (swa["rounds"], swa["paired_rounds"]) == ([4.0, 7.0], [3.0, 8.0])
+    assert swa["paired_with"] == "ours" and swa["parameters"] == 7
+
+
 def test_fit_overhead_takes_the_adjacent_baseline_run():
     """Where the record names the baseline run beside each of its own, the
     ratio is taken against that run, not against the round's baseline."""

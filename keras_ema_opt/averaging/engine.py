@@ -179,8 +179,8 @@ class Averager:
         return average, copy, strategy.decays(n, t)
 
     def fold_weights(self, optimizer):
-        """For a backend update step that averages each variable right
-        after updating it (while it is in cache): the weight ``w`` of
+        """For a backend update step that averages the variables itself,
+        right after updating them: the weight ``w`` of
         ``a <- a + w (x - a)`` per slot, for this step. The step then calls
         :meth:`folded` with the variables it averaged, and :meth:`update`
         leaves those to it (and still moves the counters)."""

@@ -87,8 +87,8 @@ class _FusedAdamStep:
         if not hasattr(torch, "_fused_adam_") or _compiling() or (
                 _stateless()):
             # Under torch.compile (`model.compile(jit_compile=True)`) the
-            # compiler fuses Keras' own step; its host-side step size would
-            # break the graph.
+            # compiler fuses Keras' own step itself; inside a stateless
+            # scope the variables' tensors are not the stored ones.
             return super()._parallel_update_step(grads, variables,
                                                  learning_rate)
         plan = _plan(self, variables)
@@ -219,10 +219,13 @@ def _compiling():
 
 def _step_size(optimizer, learning_rate):
     """Keras' ``alpha = lr sqrt(1 - b2^t) / (1 - b1^t)`` for torch's
-    kernel, by the float32 torch ops of Keras' own step (the same value,
-    bit for bit: numpy's float32 power is one ulp off torch's at some
-    steps), as a 0-dim tensor on the step count's device. Nothing is read
-    back to the host: on CUDA that would wait at every step for the work
+    kernel, by the torch ops of Keras' own step in float32, as a 0-dim
+    tensor on the step count's device. For float32 variables it is
+    Keras' value bit for bit (numpy's float32 power is one ulp off
+    torch's at some steps). Keras computes it in the dtype of the first
+    variable: float32 here whatever the dtypes (in bfloat16 ``beta_2 =
+    0.999`` rounds to 1 and Keras' step size to 0). Nothing is read back
+    to the host: on CUDA that would wait at every step for the work
     queued before it."""
     f32 = torch.float32
     step = optimizer.iterations.value
