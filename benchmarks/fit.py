@@ -83,24 +83,26 @@ BASELINES = {"keras_ema": "keras", "ours:ema": "ours",
              "ours:powerema": "ours"}
 
 
-def _paired(names):
-    """The configurations of ``names`` whose baseline is among them."""
-    return [name for name in names if BASELINES.get(name) in names]
+def _turns(names, round_index):
+    """The turns of one round, in order: ``(name, None, (name,))`` for a
+    configuration that runs alone (without its baseline among ``names``,
+    or a baseline nothing is paired with), first; then ``(name, baseline,
+    runs)`` for each averaged configuration, ``runs`` the pair in its
+    order, the baseline first in even rounds and second in odd ones."""
+    paired = [name for name in names if BASELINES.get(name) in names]
+    bases = {BASELINES[name] for name in paired}
+    turns = [(name, None, (name,)) for name in names
+             if name not in paired and name not in bases]
+    for name in paired:
+        pair = (BASELINES[name], name)
+        turns.append((name, BASELINES[name],
+                      pair if round_index % 2 == 0 else pair[::-1]))
+    return turns
 
 
 def schedule(names, round_index):
-    """The configurations one round runs, in order: each averaged one beside
-    a run of its baseline, the baseline first in even rounds and second in
-    odd ones; the others (a configuration without its baseline among
-    ``names``, a baseline nothing is paired with) alone, first."""
-    paired = _paired(names)
-    bases = {BASELINES[name] for name in paired}
-    runs = [name for name in names if name not in paired
-            and name not in bases]
-    for name in paired:
-        pair = [BASELINES[name], name]
-        runs += pair if round_index % 2 == 0 else pair[::-1]
-    return runs
+    """The configurations one round runs, in order (see ``_turns``)."""
+    return [run for _, _, runs in _turns(names, round_index) for run in runs]
 
 
 def _fit_once(name, x, y):
@@ -129,16 +131,12 @@ def run(names=NAMES, rounds=ROUNDS):
     for r in range(rounds):
         for name in names:
             times[name].append([])
-        for name in schedule(names, r):
-            seconds, parameters[name] = _fit_once(name, x, y)
-            times[name][-1].append(seconds)
-        paired = _paired(names)
-        for name in paired:
-            # The baseline's run adjacent to this one: its k-th run of the
-            # round is the one beside the k-th configuration paired with it.
-            base = BASELINES[name]
-            k = [n for n in paired if BASELINES[n] == base].index(name)
-            beside[name].append(times[base][-1][k])
+        for name, base, runs in _turns(names, r):
+            for run_name in runs:
+                seconds, parameters[run_name] = _fit_once(run_name, x, y)
+                times[run_name][-1].append(seconds)
+            if base is not None:  # the baseline's run of this turn
+                beside[name].append(times[base][-1][-1])
     for name in names:
         runs = [t for round_times in times[name] for t in round_times]
         record = {"bench": "fit", "backend": BACKEND, "name": name,

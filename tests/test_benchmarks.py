@@ -23,8 +23,8 @@ SMALL = dict(KEO_BENCH_TENSORS="3", KEO_BENCH_SIZE="64",
              KEO_BENCH_ROUNDS="2")
 
 
-def _bench_lines(proc):
-    return [json.loads(line[6:]) for line in proc.stdout.splitlines()
+def _bench_lines(text):
+    return [json.loads(line[6:]) for line in text.splitlines()
             if line.startswith("BENCH ")]
 
 
@@ -33,7 +33,8 @@ def test_step_and_fit_benchmarks_run_on_this_backend():
         pytest.importorskip("tf_keras")
     names = f"keras_ema,ours:ema,ours:powerema,{PEERS[BACKEND]}"
     step = _bench_lines(run_python("-m", "benchmarks.step", "--names", names,
-                                   backend=BACKEND, timeout=300, **SMALL))
+                                   backend=BACKEND, timeout=300,
+                                   **SMALL).stdout)
     assert [r["name"] for r in step] == names.split(",")
     for r in step:
         assert r["backend"] == BACKEND and r["seconds"] > 0
@@ -41,7 +42,7 @@ def test_step_and_fit_benchmarks_run_on_this_backend():
     assert [r["averages"] for r in step] == [1, 1, 2, 1]
     fit = _bench_lines(run_python("-m", "benchmarks.fit", "--names",
                                   "ours,ours:ema", backend=BACKEND,
-                                  timeout=300, **SMALL))
+                                  timeout=300, **SMALL).stdout)
     assert [r["name"] for r in fit] == ["ours", "ours:ema"]
     assert [len(r["rounds"]) for r in fit] == [2, 2]
     assert "paired_with" not in fit[0]
@@ -49,7 +50,7 @@ def test_step_and_fit_benchmarks_run_on_this_backend():
     assert len(fit[1]["paired_rounds"]) == 2
     memory = _bench_lines(run_python("-m", "benchmarks.step", "--memory",
                                      "ours:ema", backend=BACKEND,
-                                     timeout=300, **SMALL))
+                                     timeout=300, **SMALL).stdout)
     assert memory[0]["needed_bytes"] == 3 * 64 * 4 * 5
 
 
@@ -164,9 +165,7 @@ def test_fit_records_pair_each_run_with_the_baseline_run_beside_it(
     monkeypatch.setattr(fit, "_fit_once", fit_once)
     monkeypatch.setattr(fit, "STEPS", 2)
     fit.run(["ours", "ours:ema", "ours:swa", "ours"], rounds=2)
-    records = [json.loads(line[6:])
-               for line in capsys.readouterr().out.splitlines()
-               if line.startswith("BENCH ")]
+    records = _bench_lines(capsys.readouterr().out)
     assert [r["name"] for r in records] == ["ours", "ours:ema", "ours:swa"]
     # Round 0: ours(1) ema(2) ours(3) swa(4); round 1: ema(5) ours(6)
     # swa(7) ours(8).

@@ -63,12 +63,9 @@ class _FusedAdamStep:
     averaging, the averages are folded into the update: each device and
     dtype group is averaged (one ``torch._foreach_lerp_`` per slot) right
     after its fused update, with the weights computed once for the step.
-    One call per group, not per run of variables: updating and averaging
-    in runs of about a megabyte, to read the new weights back from cache,
-    cost more in calls than it saved (a run's weights, gradients, slots
-    and averages exceed a core's cache anyway): 14.5 against 12.2 ms for
-    the benchmark's 200 x 50,000 Adam + EMA step on a 2-core CPU, and on
-    CUDA each call is a kernel launch.
+    One call per group, not per run of variables: runs of about a
+    megabyte, to read the new weights back from cache, cost more in calls
+    than they saved (measured in docs/performance.md).
 
     The rule is Keras': ``m <- b1 m + (1 - b1) g``, ``v <- b2 v + (1 - b2)
     g^2`` (``v_hat = max(v_hat, v)`` with AMSGrad), ``w <- w - alpha m /
@@ -95,10 +92,10 @@ class _FusedAdamStep:
         if not plan.takes(grads):
             return super()._parallel_update_step(grads, variables,
                                                  learning_rate)
-        alpha = _step_size(self, learning_rate)
+        beta_1, beta_2 = float(self.beta_1), float(self.beta_2)
+        alpha = _step_size(self.iterations, learning_rate, beta_1, beta_2)
         averager = getattr(self, "_averager", None)
         weights = averager.fold_weights(self) if plan.averaged else None
-        beta_1, beta_2 = float(self.beta_1), float(self.beta_2)
         for group in plan.groups:
             torch._fused_adam_(
                 group.params, [grads[j] for j in group.indices],
@@ -217,7 +214,7 @@ def _compiling():
     return bool(compiler is not None and compiler.is_compiling())
 
 
-def _step_size(optimizer, learning_rate):
+def _step_size(iterations, learning_rate, beta_1, beta_2):
     """Keras' ``alpha = lr sqrt(1 - b2^t) / (1 - b1^t)`` for torch's
     kernel, by the torch ops of Keras' own step in float32, as a 0-dim
     tensor on the step count's device. For float32 variables it is
@@ -228,7 +225,7 @@ def _step_size(optimizer, learning_rate):
     to the host: on CUDA that would wait at every step for the work
     queued before it."""
     f32 = torch.float32
-    step = optimizer.iterations.value
+    step = iterations.value
     lr = learning_rate.value if hasattr(learning_rate, "value") else (
         learning_rate)
     if isinstance(lr, torch.Tensor):
@@ -236,8 +233,8 @@ def _step_size(optimizer, learning_rate):
     else:
         lr = torch.full((), float(lr), dtype=f32, device=step.device)
     t = (step + 1).to(f32)
-    beta_1_power = torch.pow(float(optimizer.beta_1), t)
-    beta_2_power = torch.pow(float(optimizer.beta_2), t)
+    beta_1_power = torch.pow(beta_1, t)
+    beta_2_power = torch.pow(beta_2, t)
     return lr * torch.sqrt(1 - beta_2_power) / (1 - beta_1_power)
 
 
