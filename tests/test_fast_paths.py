@@ -117,6 +117,46 @@ def test_torch_fused_adam_reads_nothing_back_to_the_host(
 
 
 @only_on("torch")
+@pytest.mark.parametrize("averaging", [
+    keras_ema_opt.EMA(0.9, warmup="power"), keras_ema_opt.SWA(start_step=2),
+    keras_ema_opt.PowerEMA(),
+])
+def test_torch_fused_adam_plans_each_step_once(monkeypatch, averaging):
+    """The gates and decays of a step (a dozen eager ops, on CUDA as many
+    launches) are computed once: by the fused update that folds the
+    averages in, and reused by the averager's update after it. The
+    averages still follow Keras' Adam weights through the strategy's rule
+    (a float64 variable and its float64 averages in their own group)."""
+    from keras_ema_opt.averaging import engine
+
+    weights, grads = _problem()
+    fused = _Calls(monkeypatch, "_fused_adam_")
+    plans = []
+    real_plan = engine.Averager._plan
+    monkeypatch.setattr(engine.Averager, "_plan", lambda self, *a, **k: (
+        plans.append(1), real_plan(self, *a, **k))[1])
+    strategy = type(averaging).from_config(averaging.get_config())
+    opt = keras_ema_opt.Adam(0.05, averaging=strategy)
+    variables, _ = _train(opt, weights, grads)
+    assert fused.count == 2 * len(grads)  # float32 and float64 groups
+    assert len(plans) == len(grads)
+    monkeypatch.setattr(engine.Averager, "_plan", real_plan)
+    # The same averages by the engine's general path: Keras' own Adam step
+    # (torch without the fused kernel), then the averager's update.
+    import torch
+    monkeypatch.delattr(torch, "_fused_adam_")
+    reference = keras_ema_opt.averaged(keras.optimizers.Adam(0.05), type(
+        averaging).from_config(averaging.get_config()))
+    theirs, _ = _train(reference, weights, grads)
+    for ours_var, their_var in zip(variables, theirs):
+        for slot in range(strategy.num_slots):
+            np.testing.assert_allclose(
+                to_numpy(opt.average_of(ours_var, slot)),
+                to_numpy(reference.average_of(their_var, slot)),
+                rtol=1e-6, atol=1e-6, err_msg=f"{ours_var.path} {slot}")
+
+
+@only_on("torch")
 def test_torch_fused_adam_falls_back_for_gradients_of_another_dtype(
         monkeypatch):
     """A float64 gradient for a float32 variable: Keras' own multi-tensor

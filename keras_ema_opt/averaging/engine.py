@@ -40,6 +40,7 @@ class Averager:
         self.debias = None
         self.swaps = []  # open swaps (Python state only while open)
         self._folded = set()  # averaged by this step's update (fold_weights)
+        self._fold_plan = None  # the plan fold_weights computed, for update
 
     # -- state -------------------------------------------------------------
 
@@ -184,7 +185,7 @@ class Averager:
         ``a <- a + w (x - a)`` per slot, for this step. The step then calls
         :meth:`folded` with the variables it averaged, and :meth:`update`
         leaves those to it (and still moves the counters)."""
-        average, copy, decays = self._plan(optimizer)
+        self._fold_plan = average, copy, decays = self._plan(optimizer)
         return [self._weight(d, average, copy) for d in decays]
 
     def folded(self, variables):
@@ -206,13 +207,20 @@ class Averager:
         ``extras_only=True`` afterwards, from the same counters (``applied``:
         whether the optimizer step was taken at all). Variables the
         backend's update step already averaged (:meth:`fold_weights`) are
-        skipped too.
+        skipped too, and the plan of the step is theirs (the counters have
+        not moved in between: the same gates and decays, not computed
+        twice, which on PyTorch is a dozen eager ops a step).
         """
-        average, copy, decays = self._plan(optimizer, applied)
         folded, self._folded = self._folded, set()
+        plan, self._fold_plan = self._fold_plan, None
+        if not folded or applied is not None or plan is None:
+            plan = self._plan(optimizer, applied)
+        average, copy, decays = plan
         targets = [target for target in self._targets(optimizer, extras_only)
                    if id(target[1]) not in folded]
         for k, decay in enumerate(decays):
+            if not targets:
+                break
             pairs = [(slots[k], var) for _, var, slots in targets]
             # A backend fast path (PyTorch: one `_foreach_lerp_` per device
             # and dtype) takes what it can; the rest is mixed here.
