@@ -40,7 +40,7 @@ WIDTH = int(os.environ.get("KEO_BENCH_WIDTH", 256))
 BATCH = 32
 STEPS = int(os.environ.get("KEO_BENCH_STEPS", 120))
 WARMUP = min(20, STEPS // 3)
-ROUNDS = int(os.environ.get("KEO_BENCH_ROUNDS", 5))
+ROUNDS = int(os.environ.get("KEO_BENCH_ROUNDS", 6))
 
 
 def _clock():
