@@ -226,9 +226,8 @@ def test_torch_lerp_is_taken_per_dtype_and_falls_back_for_other_dtypes(
 
 
 @only_on("tensorflow")
-def test_tf_lerp_kernel_serves_plain_averages_only(monkeypatch):
-    """One fused kernel per average for a plain EMA; the engine's exact
-    ``where`` path where a step may copy (``start_step``)."""
+def test_tf_lerp_kernel_serves_plain_averages(monkeypatch):
+    """One fused kernel per average and step for a plain EMA."""
     import tensorflow as tf
 
     calls = _Calls(monkeypatch, "ResourceApplyGradientDescent", tf.raw_ops)
@@ -236,10 +235,48 @@ def test_tf_lerp_kernel_serves_plain_averages_only(monkeypatch):
     _train(keras_ema_opt.SGD(0.1, averaging=keras_ema_opt.EMA(0.9)),
            weights, grads)
     assert calls.count == 3 * len(grads)
-    calls.count = 0
-    _train(keras_ema_opt.SGD(0.1, averaging=keras_ema_opt.EMA(
-        0.9, start_step=2)), weights, grads)
-    assert calls.count == 0
+
+
+@only_on("tensorflow")
+@pytest.mark.parametrize("mode", ["eager", "graph", "xla"])
+def test_tf_gated_averages_take_the_kernel_and_copy_exactly(monkeypatch,
+                                                            mode):
+    """A strategy whose steps may copy or keep (``start_step``, ``every``)
+    takes one branch a step for all its averages: an exact copy, the
+    averages kept bit for bit, or the fused kernel (eagerly, in a traced
+    step and under XLA), instead of the engine's seven-op ``where``."""
+    import tensorflow as tf
+
+    calls = _Calls(monkeypatch, "ResourceApplyGradientDescent", tf.raw_ops)
+    weights, grads = _problem()
+    opt = keras_ema_opt.SGD(0.1, averaging=keras_ema_opt.EMA(
+        0.8, start_step=2, every=2))
+    variables = [keras.Variable(w, dtype=w.dtype) for w in weights]
+    opt.build(variables)
+
+    def step(gs):
+        opt.apply_gradients(zip(gs, variables))
+    if mode != "eager":
+        step = tf.function(step, jit_compile=mode == "xla")
+    actions = ["copy", "copy", "keep", 0.64, "keep", 0.64]
+    expected = [w.astype(np.float64) for w in weights]
+    for grad, action in zip(grads, actions):
+        before = [to_numpy(opt.average_of(v)) for v in variables]
+        step([tf.constant(g) for g in grad])
+        for var, old, i in zip(variables, before, range(len(variables))):
+            new, w = to_numpy(opt.average_of(var)), to_numpy(var)
+            if action == "copy":
+                np.testing.assert_array_equal(new, w, err_msg=var.path)
+                expected[i] = w.astype(np.float64)
+            elif action == "keep":
+                np.testing.assert_array_equal(new, old, err_msg=var.path)
+            else:
+                expected[i] = action * expected[i] + (1 - action) * w
+                np.testing.assert_allclose(new, expected[i], rtol=1e-6,
+                                           atol=1e-6, err_msg=var.path)
+    # Eagerly the kernel runs on the two averaging steps only; traced, the
+    # branch that holds it is traced once.
+    assert calls.count == 3 * (2 if mode == "eager" else 1)
 
 
 @only_on("torch")
