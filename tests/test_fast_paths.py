@@ -133,8 +133,11 @@ def test_torch_fused_adam_plans_each_step_once(monkeypatch, averaging):
     fused = _Calls(monkeypatch, "_fused_adam_")
     plans = []
     real_plan = engine.Averager._plan
-    monkeypatch.setattr(engine.Averager, "_plan", lambda self, *a, **k: (
-        plans.append(1), real_plan(self, *a, **k))[1])
+
+    def counted_plan(self, *args, **kwargs):
+        plans.append(1)
+        return real_plan(self, *args, **kwargs)
+    monkeypatch.setattr(engine.Averager, "_plan", counted_plan)
     strategy = type(averaging).from_config(averaging.get_config())
     opt = keras_ema_opt.Adam(0.05, averaging=strategy)
     variables, _ = _train(opt, weights, grads)
@@ -263,7 +266,7 @@ def test_tf_gated_averages_take_the_kernel_and_copy_exactly(monkeypatch,
     for grad, action in zip(grads, actions):
         before = [to_numpy(opt.average_of(v)) for v in variables]
         step([tf.constant(g) for g in grad])
-        for var, old, i in zip(variables, before, range(len(variables))):
+        for i, (var, old) in enumerate(zip(variables, before)):
             new, w = to_numpy(opt.average_of(var)), to_numpy(var)
             if action == "copy":
                 np.testing.assert_array_equal(new, w, err_msg=var.path)

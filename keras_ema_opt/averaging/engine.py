@@ -218,9 +218,8 @@ class Averager:
         average, copy, decays = plan
         targets = [target for target in self._targets(optimizer, extras_only)
                    if id(target[1]) not in folded]
-        for k, decay in enumerate(decays):
-            if not targets:
-                break
+        # Nothing left to mix when the update averaged every variable.
+        for k, decay in enumerate(decays if targets else ()):
             pairs = [(slots[k], var) for _, var, slots in targets]
             # A backend fast path (PyTorch: one `_foreach_lerp_` per device
             # and dtype) takes what it can; the rest is mixed here.
