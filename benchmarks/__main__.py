@@ -3,13 +3,16 @@ write ``benchmarks/results/<device>-results.json``, ``<device>-table.md``
 and ``<device>-plot.png``.
 
     python -m benchmarks [--backends jax,tensorflow,torch] [--out DIR]
-                         [--no-fit] [--no-memory]
+                         [--no-fit] [--no-memory] [--step-rounds N]
     keras-ema-opt bench ...          (the same, from a source checkout)
 
 Each backend runs in fresh processes (``KERAS_BACKEND`` is read once per
-process); memory is measured in one process per configuration. The table
-gives medians and their ratios against the peers of the same run, and
-checks them against the bounds of the project's performance issue.
+process). The optimizer step of each configuration runs in a process of
+its own, the configurations taking turns for ``--step-rounds`` rounds
+(3), and its time is the median over the rounds; memory is measured in
+one process per configuration. The table gives medians and their ratios
+against the peers of the same run, and checks them against the bounds of
+the project's performance issue.
 """
 
 import argparse
@@ -25,6 +28,8 @@ from pathlib import Path
 from benchmarks import common
 
 ROOT = Path(__file__).resolve().parent.parent
+# Rounds of the optimizer-step processes (each configuration once a round).
+STEP_ROUNDS = int(os.environ.get("KEO_BENCH_STEP_ROUNDS", 3))
 BACKENDS = ("jax", "tensorflow", "torch")
 
 # The configurations whose peak memory is measured, per backend.
@@ -74,14 +79,50 @@ def device_kind():
     return "cpu"
 
 
-def collect(backends, fit=True, memory=True, say=print):
+def step_schedule(names, round_index):
+    """The order of the step configurations' processes in one round:
+    forward in even rounds, backward in odd ones, so that no configuration
+    always runs right after the same neighbour or at the same point of a
+    drift of the machine."""
+    names = list(names)
+    return names if round_index % 2 == 0 else names[::-1]
+
+
+def merge_step_rounds(records):
+    """One step record from a configuration's records of several rounds:
+    the median of the rounds' medians (``rounds``, in order), and of their
+    rooflines (each process measures the copy bandwidth anew)."""
+    if not records:
+        raise ValueError("merge_step_rounds: no records to merge")
+    names = {(r["bench"], r["backend"], r["name"]) for r in records}
+    if len(names) != 1:
+        raise ValueError("merge_step_rounds: records of different "
+                         f"configurations: {sorted(names)}")
+    merged = dict(records[0])
+    merged["rounds"] = [r["seconds"] for r in records]
+    for key in ("seconds", "roofline_seconds", "bandwidth"):
+        merged[key] = statistics.median(r[key] for r in records)
+    return merged
+
+
+def collect(backends, fit=True, memory=True, say=print,
+            step_rounds=STEP_ROUNDS):
     results = []
     for backend in backends:
         # One fresh process per configuration: no configuration runs in
-        # memory, caches or allocator pools another one left behind.
-        for name in _names(backend):
-            say(f"[bench] {backend}: optimizer step, {name}")
-            results += _run("benchmarks.step", backend, "--names", name)
+        # memory, caches or allocator pools another one left behind. The
+        # configurations take turns, STEP_ROUNDS times over (see
+        # step_schedule): a slow spell of the machine or one slow process
+        # falls on one round of one configuration, not on its median.
+        names = _names(backend)
+        runs = {name: [] for name in names}
+        for r in range(step_rounds):
+            for name in step_schedule(names, r):
+                say(f"[bench] {backend}: optimizer step, {name} "
+                    f"(round {r + 1} of {step_rounds})")
+                runs[name] += _run("benchmarks.step", backend, "--names",
+                                   name)
+        results += [merge_step_rounds(runs[name]) for name in names]
         if fit:
             say(f"[bench] {backend}: fit step")
             results += _run("benchmarks.fit", backend)
@@ -360,11 +401,18 @@ def main(argv=None):
                                              "results"))
     parser.add_argument("--no-fit", action="store_true")
     parser.add_argument("--no-memory", action="store_true")
+    parser.add_argument("--step-rounds", type=int, default=STEP_ROUNDS,
+                        help="rounds of the optimizer-step processes, each "
+                        "configuration once a round (default: "
+                        "%(default)s; KEO_BENCH_STEP_ROUNDS)")
     parser.add_argument("--from-json", metavar="FILE", nargs="+",
                         help="rebuild the table and plot of results files "
                         "(several: runs of some backends each, on one kind "
                         "of device, merged)")
     args = parser.parse_args(argv)
+    if args.step_rounds < 1:
+        parser.error("--step-rounds: at least 1 round is needed. Received: "
+                     f"{args.step_rounds}")
     if args.from_json:
         payloads = [json.loads(Path(f).read_text()) for f in args.from_json]
         devices = {p["meta"]["device"] for p in payloads}
@@ -376,7 +424,8 @@ def main(argv=None):
     else:
         device = device_kind()
         results = collect([b for b in args.backends.split(",") if b],
-                          fit=not args.no_fit, memory=not args.no_memory)
+                          fit=not args.no_fit, memory=not args.no_memory,
+                          step_rounds=args.step_rounds)
     paths = write(results, args.out, device)
     print(table(results, device))
     for path in paths.values():

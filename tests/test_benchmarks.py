@@ -204,3 +204,43 @@ def test_fit_overhead_pairs_the_rounds():
     checks = {c[0]: c[1:] for c in driver.checks([base, ema])}
     added, bound, ok = checks["torch fit: ours:ema added to the step"]
     assert (round(added, 3), ok) == (0.05, True)
+
+
+def test_step_processes_take_turns_over_rounds(monkeypatch):
+    """Each step configuration runs once a round in a process of its own,
+    forward in even rounds and backward in odd ones; its record is the
+    median of its rounds (one slow process does not move it)."""
+    calls = []
+    slow = {("ours:ema", 1): 9.0}
+
+    def fake_run(module, backend, *args, **variables):
+        assert (module, args[0]) == ("benchmarks.step", "--names")
+        name = args[1]
+        r = sum(1 for c in calls if c == name)
+        calls.append(name)
+        seconds = slow.get((name, r), 1.0 + r / 10)
+        return [dict(_result("step", name, seconds, backend=backend),
+                     roofline_seconds=0.5 + r, bandwidth=1e10 * (r + 1))]
+
+    monkeypatch.setattr(driver, "_run", fake_run)
+    monkeypatch.setattr(driver, "_names", lambda backend: ["keras",
+                                                            "ours:ema"])
+    results = driver.collect(["torch"], fit=False, memory=False,
+                             say=lambda *_: None, step_rounds=3)
+    assert calls == ["keras", "ours:ema", "ours:ema", "keras", "keras",
+                     "ours:ema"]
+    keras, ema = results
+    assert keras["rounds"] == [1.0, 1.1, 1.2] and keras["seconds"] == 1.1
+    # The slow second round of ours:ema is left out by the median.
+    assert ema["rounds"] == [1.0, 9.0, 1.2] and ema["seconds"] == 1.2
+    assert ema["roofline_seconds"] == 1.5 and ema["bandwidth"] == 2e10
+    with pytest.raises(ValueError, match="different configurations"):
+        driver.merge_step_rounds([keras, ema])
+    with pytest.raises(ValueError, match="no records"):
+        driver.merge_step_rounds([])
+
+
+def test_step_rounds_must_be_positive(capsys):
+    with pytest.raises(SystemExit):
+        driver.main(["--step-rounds", "0", "--backends", "torch"])
+    assert "Received: 0" in capsys.readouterr().err
