@@ -220,7 +220,8 @@ def test_step_processes_take_turns_over_rounds(monkeypatch):
         calls.append(name)
         seconds = slow.get((name, r), 1.0 + r / 10)
         return [dict(_result("step", name, seconds, backend=backend),
-                     roofline_seconds=0.5 + r, bandwidth=1e10 * (r + 1))]
+                     roofline_seconds=6.0 / (r + 1),
+                     bandwidth=1e10 * (r + 1))]
 
     monkeypatch.setattr(driver, "_run", fake_run)
     monkeypatch.setattr(driver, "_names", lambda backend: ["keras",
@@ -233,7 +234,9 @@ def test_step_processes_take_turns_over_rounds(monkeypatch):
     assert keras["rounds"] == [1.0, 1.1, 1.2] and keras["seconds"] == 1.1
     # The slow second round of ours:ema is left out by the median.
     assert ema["rounds"] == [1.0, 9.0, 1.2] and ema["seconds"] == 1.2
-    assert ema["roofline_seconds"] == 1.5 and ema["bandwidth"] == 2e10
+    # The roofline is that of the best copy bandwidth a round measured.
+    assert ema["round_bandwidths"] == [1e10, 2e10, 3e10]
+    assert ema["roofline_seconds"] == 2.0 and ema["bandwidth"] == 3e10
     with pytest.raises(ValueError, match="different configurations"):
         driver.merge_step_rounds([keras, ema])
     with pytest.raises(ValueError, match="no records"):
