@@ -96,7 +96,39 @@ def made_by_script(script, args, tag=""):
         if not os.path.exists(os.path.join(folder, "DONE")):
             shutil.rmtree(folder, ignore_errors=True)
             os.makedirs(folder)
-            run_python(script, folder, *args, backend="tensorflow",
-                       timeout=900, CUDA_VISIBLE_DEVICES="")
+            _run_in_parallel(script, folder, args)
             open(os.path.join(folder, "DONE"), "w").close()
     return folder
+
+
+def _run_in_parallel(script, folder, args, timeout=900):
+    """``script folder *chunk`` for the arguments dealt round-robin into one
+    chunk per core (at most 2: each maker writes its own cases' folders),
+    under the TensorFlow backend on the CPU; every maker must succeed."""
+    import subprocess
+    import sys
+    import tempfile
+
+    jobs = max(1, min(2, os.cpu_count() or 1, len(args)))
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3",
+               KERAS_BACKEND="tensorflow", CUDA_VISIBLE_DEVICES="")
+    makers = []
+    for i in range(jobs):
+        err = tempfile.TemporaryFile(mode="w+")
+        proc = subprocess.Popen(
+            [sys.executable, str(script), folder, *args[i::jobs]], env=env,
+            cwd=ROOT, stdout=subprocess.DEVNULL, stderr=err, text=True)
+        makers.append((proc, err))
+    failures = []
+    for proc, err in makers:
+        try:
+            code = proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            code = f"killed after {timeout} s"
+        err.seek(0)
+        if code != 0:
+            failures.append(f"{' '.join(proc.args[3:])}: exit {code}\n"
+                            f"{err.read()[-3000:]}")
+        err.close()
+    assert not failures, "\n".join(failures)

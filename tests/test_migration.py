@@ -5,9 +5,12 @@ Artifacts are made by real tf_keras during the test run
 session under ``.pytest-fixtures/``): each case trains 3 steps, saves a
 SavedModel, a full ``.h5``, a ``tf.train.Checkpoint`` and a ``save_weights``
 checkpoint, then continues 5 steps in tf_keras (the oracle). Here each
-artifact is migrated under the active backend, trained the same 5 steps,
+case is migrated under the active backend from one of its formats (a
+different one for each model an optimizer is on), trained the same 5 steps,
 and the weights and EMA averages compared within 1e-6 (absolute plus
-relative).
+relative); each of its other formats must migrate to that same state: every
+weight equal to tf_keras' and every optimizer variable, path by path, and
+the optimizer's config equal to what the trained format gave.
 """
 
 import json
@@ -89,18 +92,58 @@ def _find(model, name):
     return found[0]
 
 
-def _matrix():
-    return [(c, f) for c in CASES for f in FORMATS]
+def _trained_format(cases, case):
+    """The format a case is trained from: optimizers and models taken in
+    turn, so that an optimizer on the MLP, the conv net and the LSTM model
+    is trained from three different formats and every format is trained
+    from under each model."""
+    optimizer, model = case.split(":")
+    optimizers = list(dict.fromkeys(c.split(":")[0] for c in cases))
+    models = list(dict.fromkeys(c.split(":")[1] for c in cases))
+    names = list(FORMATS)
+    return names[(optimizers.index(optimizer) + models.index(model))
+                 % len(names)]
 
 
-@pytest.mark.parametrize("case,fmt", _matrix())
+def _trained(cases):
+    return [(c, _trained_format(cases, c)) for c in cases]
+
+
+def _other_formats(cases):
+    return [(c, f) for c in cases for f in FORMATS
+            if f != _trained_format(cases, c)]
+
+
+def test_every_format_is_trained_from_under_every_model():
+    pairs = _trained(CASES)
+    for model in ("mlp", "conv", "embed"):
+        assert {f for c, f in pairs if c.endswith(":" + model)} == set(
+            FORMATS), model
+    for optimizer in NEW + LEGACY:
+        assert len({f for c, f in pairs
+                    if c.split(":")[0] == optimizer}) >= 3, optimizer
+    assert {f for _, f in _trained(TF212_CASES_AS_CASES)} == set(FORMATS)
+    assert len(_trained(CASES)) + len(_other_formats(CASES)) == len(
+        CASES) * len(FORMATS)
+
+
+@pytest.mark.parametrize("case,fmt", _trained(CASES))
 def test_migrated_training_continues_like_tf_keras(artifacts, case, fmt):
     _check_continuation(os.path.join(artifacts, case.replace(":", "-")), fmt)
+
+
+@pytest.mark.parametrize("case,fmt", _other_formats(CASES))
+def test_every_format_migrates_to_the_same_state(artifacts, case, fmt):
+    _check_same_state(os.path.join(artifacts, case.replace(":", "-")), fmt,
+                      _trained_format(CASES, case))
 
 
 TF212 = os.path.join(ROOT, "tests", "fixtures", "tf2.12")
 TF212_CASES = sorted(c for c in os.listdir(TF212)
                      if os.path.isdir(os.path.join(TF212, c)))
+# As CASES spell them ("adam:mlp"): folder names are "adam-mlp".
+TF212_CASES_AS_CASES = [c.rsplit("-", 1)[0] + ":" + c.rsplit("-", 1)[1]
+                        for c in TF212_CASES]
 
 
 def test_tf212_fixture_set_is_complete():
@@ -118,12 +161,79 @@ def test_tf212_fixture_set_is_complete():
             assert json.load(f)["tensorflow"] == "2.12.1"
 
 
-@pytest.mark.parametrize("case,fmt", [(c, f) for c in TF212_CASES
-                                      for f in FORMATS])
+def _tf212_folder(case):
+    return os.path.join(TF212, case.replace(":", "-"))
+
+
+@pytest.mark.parametrize("case,fmt", _trained(TF212_CASES_AS_CASES))
 def test_tf212_artifacts_continue_like_tf_keras_212(case, fmt):
     """Artifacts of tf.keras 2.12, continued 5 steps by 2.12 itself when
     they were made: the committed ``expected.npz`` is its result."""
-    _check_continuation(os.path.join(TF212, case), fmt)
+    _check_continuation(_tf212_folder(case), fmt)
+
+
+@pytest.mark.parametrize("case,fmt", _other_formats(TF212_CASES_AS_CASES))
+def test_every_tf212_format_migrates_to_the_same_state(case, fmt):
+    _check_same_state(_tf212_folder(case), fmt,
+                      _trained_format(TF212_CASES_AS_CASES, case))
+
+
+def _migrate(folder, fmt):
+    """``folder``'s artifact in ``fmt`` migrated, and its info.json."""
+    with open(os.path.join(folder, "info.json")) as f:
+        info = json.load(f)
+    bare = fmt in ("checkpoint", "save_weights")
+    model = load_legacy(os.path.join(folder, FORMATS[fmt]),
+                        custom_objects=CUSTOM_OBJECTS,
+                        model=_user_model(folder) if bare else None)
+    return model, info
+
+
+def _check_weights_before(model, info, expected):
+    """Every weight tf_keras saved, in place, and the step count."""
+    weights = [_find(model, n) for n in info["weights"]]
+    for i, var in enumerate(weights):
+        np.testing.assert_array_equal(to_numpy(var), expected[f"before{i}"],
+                                      err_msg=var.path)
+    assert int(to_numpy(model.optimizer.iterations)) == info["iterations"] - 5
+    return weights
+
+
+def _state(model):
+    """Optimizer class and config, and every optimizer variable by its place
+    and path: paths alone are not unique (Adafactor's three slots of a
+    kernel are all ``Adafactor/kernel``), and Keras numbers unnamed
+    variables per process (Nadam's ``u_product``: ``variable_3`` is taken
+    as ``variable``)."""
+    optimizer = model.optimizer
+    variables = {}
+    for i, var in enumerate(optimizer.variables):
+        path = re.sub(r"(^|/)variable(_[0-9]+)?$", r"\1variable", var.path)
+        variables[f"{i}: {path}"] = to_numpy(var)
+    return type(optimizer), optimizer.get_config(), variables
+
+
+_TRAINED_STATES = {}
+
+
+def _check_same_state(folder, fmt, trained_fmt):
+    """Migrated from ``fmt``, the case's state is tf_keras' weights and
+    exactly the optimizer state its ``trained_fmt`` gives (that one is
+    checked by training on against tf_keras)."""
+    expected = np.load(os.path.join(folder, "expected.npz"))
+    model, info = _migrate(folder, fmt)
+    _check_weights_before(model, info, expected)
+    key = (folder, trained_fmt)
+    if key not in _TRAINED_STATES:
+        _TRAINED_STATES[key] = _state(_migrate(folder, trained_fmt)[0])
+    cls, config, variables = _TRAINED_STATES[key]
+    got_cls, got_config, got = _state(model)
+    assert got_cls is cls
+    assert got_config == config
+    assert {p: v.shape for p, v in got.items()} == {
+        p: v.shape for p, v in variables.items()}
+    for path, value in variables.items():
+        np.testing.assert_array_equal(got[path], value, err_msg=path)
 
 
 def _check_continuation(folder, fmt):
@@ -131,19 +241,10 @@ def _check_continuation(folder, fmt):
     from, train the 5 recorded steps and compare weights and EMA averages
     with Keras 2's continuation (1e-6 absolute plus relative)."""
     expected = np.load(os.path.join(folder, "expected.npz"))
-    with open(os.path.join(folder, "info.json")) as f:
-        info = json.load(f)
+    model, info = _migrate(folder, fmt)
     case = info["case"]
-    bare = fmt in ("checkpoint", "save_weights")
-    model = load_legacy(os.path.join(folder, FORMATS[fmt]),
-                        custom_objects=CUSTOM_OBJECTS,
-                        model=_user_model(folder) if bare else None)
-    weights = [_find(model, n) for n in info["weights"]]
+    weights = _check_weights_before(model, info, expected)
     trainable = [_find(model, n) for n in info["trainable"]]
-    for i, var in enumerate(weights):
-        np.testing.assert_array_equal(to_numpy(var), expected[f"before{i}"],
-                                      err_msg=var.path)
-    assert int(to_numpy(model.optimizer.iterations)) == info["iterations"] - 5
     for i in range(5):
         model.train_on_batch(expected[f"x{i}"], expected[f"y{i}"])
     for i, var in enumerate(weights):
