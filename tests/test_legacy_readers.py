@@ -18,8 +18,14 @@ from keras_ema_opt.savedmodel import bundle  # noqa: E402
 from keras_ema_opt.savedmodel import wire  # noqa: E402
 from keras_ema_opt.savedmodel.bundle import BundleReader  # noqa: E402
 from conftest import last_json  # noqa: E402
+from conftest import only_on  # noqa: E402
 from conftest import run_python  # noqa: E402
 
+# The readers are numpy only, the same whatever Keras backend is active
+# (TensorFlow, their oracle, is imported by the tests alone): the module
+# runs once, in the PyTorch backend's suite, the shortest of the three.
+# test_reads_without_tensorflow runs them where TensorFlow cannot import.
+pytestmark = only_on("torch")
 
 
 # ---------------------------------------------------------------------------
