@@ -36,6 +36,10 @@ def worker(rank, port, outdir):
         out[label + "_input"] = keras.ops.convert_to_numpy(g).tolist()
     with open(os.path.join(outdir, f"rank{rank}.json"), "w") as f:
         json.dump(out, f)
+    # Both ranks done before either tears gloo down: a rank that destroys
+    # the group while its peer's collective thread still runs can end the
+    # peer with "terminate called without an active exception" (CI, once).
+    dist.barrier()
     dist.destroy_process_group()
 
 
