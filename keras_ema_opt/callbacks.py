@@ -22,6 +22,11 @@ from keras_ema_opt.errors import InvalidArgumentError
 
 def _averaging_optimizer(model, who):
     optimizer = getattr(model, "optimizer", None)
+    # Under a mixed-precision policy Keras wraps the compiled optimizer in
+    # a `LossScaleOptimizer`: the averages are the inner one's.
+    inner = getattr(optimizer, "inner_optimizer", None)
+    if inner is not None and hasattr(inner, "swap_average"):
+        optimizer = inner
     if optimizer is None or not hasattr(optimizer, "swap_average") or (
         getattr(optimizer, "averaging", None) is None
     ):

@@ -229,6 +229,35 @@ def test_swap_average_callback_evaluates_on_averages_during_fit():
     assert raw != pytest.approx(expected, rel=1e-3)
 
 
+
+def test_swap_average_callback_under_a_mixed_precision_policy():
+    # Keras wraps the compiled optimizer in a LossScaleOptimizer: the
+    # callbacks reach the averages through it.
+    class Record(keras.callbacks.Callback):
+        def on_test_begin(self, logs=None):
+            inner = self.model.optimizer.inner_optimizer
+            self.seen = [(to_numpy(v), to_numpy(inner.average_of(v)))
+                         for v in self.model.trainable_variables]
+
+    x, y = _data()
+    keras.config.set_dtype_policy("mixed_float16")
+    try:
+        model = _model()
+        model.compile(optimizer=keras_ema_opt.Adam(
+            0.05, averaging=keras_ema_opt.EMA(0.8, finalize=False)),
+            loss="mse")
+        record = Record()
+        model.fit(x, y, batch_size=8, epochs=1, verbose=0,
+                  validation_data=(x, y), callbacks=[SwapAverage(), record])
+    finally:
+        keras.config.set_dtype_policy("float32")
+    assert isinstance(model.optimizer, keras.optimizers.LossScaleOptimizer)
+    for weight, average in record.seen:
+        np.testing.assert_array_equal(weight, average)
+    inner = model.optimizer.inner_optimizer
+    assert any(not np.array_equal(to_numpy(v), to_numpy(inner.average_of(v)))
+               for v in model.trainable_variables)  # restored afterwards
+
 def test_swap_on_epoch_lets_model_checkpoint_save_averages(tmp_path):
     path = tmp_path / "best.weights.h5"
     x, y = _data()
@@ -310,6 +339,31 @@ def test_float32_averages_of_low_precision_weights(dtype):
     opt.finalize_variable_values([w])
     assert keras.backend.standardize_dtype(w.dtype) == dtype
 
+
+
+@pytest.mark.parametrize("dtype,momentum", [("bfloat16", 0.999),
+                                            ("float16", 0.9999)])
+def test_low_precision_averages_in_their_own_dtype_move(dtype, momentum):
+    # A decay close to 1 rounds to 1.0 in bfloat16 / float16: the average
+    # is mixed with `1 - d` taken in float32, on every backend (the JAX
+    # step once kept it at its start for ever).
+    w = keras.Variable(np.zeros((4,), "float32"), dtype=dtype)
+    opt = keras_ema_opt.SGD(learning_rate=1.0,
+                            averaging=keras_ema_opt.EMA(momentum))
+    step = keras.ops.cast(-0.5 * np.ones((4,)), dtype)
+    trajectory = []
+    for _ in range(40):
+        opt.apply_gradients([(step, w)])
+        trajectory.append(to_numpy(w).astype(np.float64))
+    average = to_numpy(opt.average_of(w)).astype(np.float64)
+    assert keras.backend.standardize_dtype(opt.average_of(w).dtype) == dtype
+    expected = np.zeros(4)
+    for t in trajectory:
+        expected = momentum * expected + (1 - momentum) * t
+    # Rounded to the storage dtype at each of the 40 steps: within a few
+    # of its units (bfloat16 has 8 bits of mantissa, float16 11).
+    np.testing.assert_allclose(average, expected, rtol=2 ** -6)
+    assert np.all(average > 0)
 
 def test_average_of_returns_an_array_of_its_own():
     w = keras.Variable(np.ones(3, "float32"))

@@ -73,6 +73,23 @@ def test_torch_fused_adam_is_taken_per_dtype_and_equals_keras(
         np.testing.assert_allclose(to_numpy(a), to_numpy(b), rtol=1e-6,
                                    atol=1e-6)
 
+@pytest.mark.parametrize("name", ["Adam", "AdamW"])
+@pytest.mark.parametrize("use_ema", [False, True])
+def test_adam_under_gradient_accumulation_equals_keras(name, use_ema):
+    # Under accumulation Keras' `iterations` is a tensor (real steps), not
+    # a variable; the PyTorch fused step reads its step count from it.
+    kwargs = dict(learning_rate=0.05, gradient_accumulation_steps=3)
+    weights, grads = _problem()
+    ours, _ = _train(getattr(keras_ema_opt, name)(use_ema=use_ema, **kwargs),
+                     weights, grads)
+    theirs, _ = _train(getattr(keras.optimizers, name)(**kwargs), weights,
+                       grads)
+    for a, b, w in zip(ours, theirs, weights):
+        assert not np.allclose(to_numpy(b), w)  # two real steps were taken
+        np.testing.assert_allclose(to_numpy(a), to_numpy(b), rtol=1e-6,
+                                   atol=1e-6)
+
+
 
 @only_on("torch")
 @pytest.mark.parametrize("averaging", [

@@ -116,6 +116,24 @@ def test_finalize_writes_averaged_statistics_and_swap_restores_them():
                                   np.full((4,), 7.0, "float32"))
 
 
+@pytest.mark.parametrize("second", ["keras", "ours"])
+def test_recompiled_model_trains_with_its_new_optimizer(second):
+    # JAX wraps the model's train_step for the statistics' averages: a model
+    # compiled again with another optimizer trains with Keras' own step.
+    averaging = keras_ema_opt.EMA(M, include_non_trainable=True)
+    model = _fit(keras_ema_opt.SGD(0.05, averaging=averaging),
+                 _model().get_weights())
+    middle = model.get_weights()
+    make = {"keras": lambda: keras.optimizers.SGD(0.05),
+            "ours": lambda: keras_ema_opt.SGD(0.05, use_ema=True)}[second]
+    model.compile(optimizer=make(), loss="mse")
+    x, y = _data()
+    model.fit(x, y, batch_size=8, shuffle=False, verbose=0)
+    fresh = _fit(make(), middle)
+    for got, want in zip(model.get_weights(), fresh.get_weights()):
+        np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+
+
 def test_without_the_option_statistics_are_not_averaged():
     model = _fit(keras_ema_opt.SGD(0.05, use_ema=True), _model().get_weights())
     with pytest.raises(KeyError, match="moving_mean"):

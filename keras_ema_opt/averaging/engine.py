@@ -261,13 +261,19 @@ class Averager:
 
     @staticmethod
     def _mix(slot, var, decay, average, copy):
-        a = slot.value
-        w = ops.cast(var.value, slot.dtype)
-        d = ops.cast(decay, slot.dtype)
+        # Averages of bfloat16 / float16 are mixed in float32 and rounded
+        # once: in bfloat16 a decay of 0.999 is 1.0, and the average would
+        # never move (the fast paths take `1 - d` in float32 too).
+        dtype = slot.dtype
+        if dtype in ("float16", "bfloat16"):
+            dtype = "float32"
+        a = ops.cast(slot.value, dtype)
+        w = ops.cast(var.value, dtype)
+        d = ops.cast(decay, dtype)
         mixed = ops.add(ops.multiply(d, a), ops.multiply(ops.subtract(1, d), w))
-        if average is None:
-            return mixed
-        return ops.where(copy, w, ops.where(average, mixed, a))
+        if average is not None:
+            mixed = ops.where(copy, w, ops.where(average, mixed, a))
+        return ops.cast(mixed, slot.dtype)
 
     def _mix_scalar(self, decay, average, copy):
         # The debias state is c = 1 - prod(d), kept as such: updating

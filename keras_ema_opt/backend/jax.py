@@ -116,6 +116,11 @@ def attach_model(optimizer, model):
         original = original._keo_wrapped
 
     def train_step(state, data):
+        current = getattr(model, "optimizer", None)
+        if current is not optimizer and getattr(
+                current, "inner_optimizer", None) is not optimizer:
+            # Recompiled with another optimizer since: Keras' own step.
+            return original(state, data)
         before = state[2]
         optimizer._keo_fit_step = True  # while tracing: statistics come next
         try:

@@ -225,7 +225,11 @@ def _step_size(iterations, learning_rate, beta_1, beta_2):
     to the host: on CUDA that would wait at every step for the work
     queued before it."""
     f32 = torch.float32
-    step = iterations.value
+    # A variable, or under gradient accumulation Keras' count of real
+    # steps (``_iterations // steps``), a tensor.
+    step = getattr(iterations, "value", iterations)
+    if not isinstance(step, torch.Tensor):
+        step = torch.as_tensor(step)
     lr = learning_rate.value if hasattr(learning_rate, "value") else (
         learning_rate)
     if isinstance(lr, torch.Tensor):
