@@ -583,6 +583,9 @@ class Optimizer(backend.OptimizerHooks, keras.optimizers.Optimizer):
         Example:
 
         ```python
+        import keras
+        import keras_ema_opt
+
         w = keras.Variable(3.0)
         opt = keras_ema_opt.SGD(learning_rate=0.5)
         opt.minimize(lambda: w * w, [w])  # w: 3 - 0.5 * 6 = 0.0

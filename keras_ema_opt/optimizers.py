@@ -7,6 +7,7 @@ written again: on the same gradients each gives what
 ``keras.optimizers.<Name>`` gives.
 """
 
+import copy
 import inspect
 
 import keras
@@ -209,9 +210,31 @@ def averaged(optimizer, averaging):
         config.pop("inner_optimizer")
         inner = averaged(optimizer.inner_optimizer, averaging)
         return AveragedLossScaleOptimizer(inner, **config)
-    config = optimizer.get_config()
+    rate = getattr(optimizer, "_learning_rate", None)
+    live = not isinstance(rate, keras.Variable) and (
+        isinstance(rate, keras.optimizers.schedules.LearningRateSchedule)
+        or callable(rate)
+    )
+    if live:
+        # The live schedule or callable, not its serialization: a user's
+        # schedule without `get_config`, an unregistered class or a lambda
+        # would not come back (nor serialize at all, for the first).
+        optimizer._learning_rate = 0.0
+    try:
+        config = optimizer.get_config()
+    finally:
+        if live:
+            optimizer._learning_rate = rate
+    if live:
+        config["learning_rate"] = rate
     config["averaging"] = averaging
-    return contract_class(type(optimizer)).from_config(config)
+    new = contract_class(type(optimizer)).from_config(config)
+    # What `exclude_from_weight_decay()` set is no part of the config.
+    for attribute in ("_exclude_from_weight_decay",
+                      "_exclude_from_weight_decay_pattern"):
+        if hasattr(optimizer, attribute):
+            setattr(new, attribute, copy.copy(getattr(optimizer, attribute)))
+    return new
 
 
 @keras.saving.register_keras_serializable(package="keras_ema_opt")

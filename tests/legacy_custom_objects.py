@@ -1,6 +1,7 @@
 """Keras 3 twins of the custom classes in ``scripts/make_legacy_artifacts.py``
-(``--custom-objects legacy_custom_objects`` in the migration tests), and a
-model builder for ``--model legacy_custom_objects:mlp_adam_ema``."""
+(``--custom-objects legacy_custom_objects`` in the migration tests) and of
+the custom loss in ``scripts/make_compile_artifacts.py``, and a model
+builder for ``--model legacy_custom_objects:mlp_adam_ema``."""
 
 import keras
 
@@ -26,6 +27,11 @@ class Scale(keras.layers.Layer):
 
     def get_config(self):
         return {**super().get_config(), "init": self.init}
+
+
+def my_loss(y_true, y_pred):
+    """The custom loss of ``scripts/make_compile_artifacts.py``."""
+    return keras.ops.mean(keras.ops.abs(y_true - y_pred), axis=-1) * 2.0
 
 
 CUSTOM_OBJECTS = {"keo_test>Scale": Scale, "Scale": Scale}

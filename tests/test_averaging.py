@@ -488,6 +488,40 @@ def test_averaged_adds_averaging_to_any_optimizer(kind):
         np.testing.assert_allclose(a, expected, rtol=1e-5, atol=1e-6)
 
 
+class _Halving(keras.optimizers.schedules.LearningRateSchedule):
+    """A user's schedule, registered nowhere."""
+
+    def __call__(self, step):
+        return 0.1 * keras.ops.power(0.5, keras.ops.cast(step, "float32"))
+
+
+@pytest.mark.parametrize("rate", ["schedule", "callable"])
+def test_averaged_keeps_what_the_config_cannot_carry(rate):
+    # averaged() rebuilds the optimizer from its config: a user's schedule
+    # or a callable learning rate, and `exclude_from_weight_decay`, are
+    # carried over as they are. Oracle: Keras' own AdamW, same settings.
+    def make():
+        lr = _Halving() if rate == "schedule" else (lambda: 0.05)
+        optimizer = keras.optimizers.AdamW(learning_rate=lr,
+                                           weight_decay=0.5)
+        optimizer.exclude_from_weight_decay(var_names=["bias"])
+        return optimizer
+
+    def train(optimizer):
+        kernel = keras.Variable(np.ones((2, 2), "float32"), name="kernel")
+        bias = keras.Variable(np.ones((2,), "float32"), name="bias")
+        for g in (1.0, -2.0, 0.5):
+            optimizer.apply_gradients([
+                (keras.ops.full((2, 2), g), kernel),
+                (keras.ops.full((2,), g), bias)])
+        return to_numpy(kernel), to_numpy(bias)
+
+    ours = train(keras_ema_opt.averaged(make(), keras_ema_opt.EMA(0.9)))
+    theirs = train(make())
+    for a, b in zip(ours, theirs):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+
+
 def test_averaged_refuses_a_built_optimizer():
     opt = keras.optimizers.Adam()
     opt.build([keras.Variable(np.zeros(2, "float32"))])

@@ -44,6 +44,28 @@ def test_every_public_name_has_a_runnable_example(obj):
         exec(compile(block, f"<{obj.__name__} docstring>", "exec"), {})
 
 
+def _method_examples():
+    """Methods of the public classes whose docstrings hold an example."""
+    out = {}
+    classes = [o for o in PUBLIC if isinstance(o, type)]
+    classes.append(keras_ema_opt.Optimizer)
+    for cls in classes:
+        for name in dir(cls):
+            member = getattr(cls, name, None)
+            doc = getattr(member, "__doc__", None) or ""
+            module = getattr(member, "__module__", None) or ""
+            if "```python" in doc and module.startswith("keras_ema_opt") \
+                    and not isinstance(member, type):
+                out[f"{module}.{member.__qualname__}"] = member
+    return out
+
+
+@pytest.mark.parametrize("name", sorted(_method_examples()))
+def test_every_method_example_runs(name):
+    for block in _python_blocks(_method_examples()[name].__doc__):
+        exec(compile(block, f"<{name} docstring>", "exec"), {})
+
+
 def test_base_class_example_result():
     namespace = {}
     exec(_python_blocks(keras_ema_opt.Optimizer.__doc__)[0], namespace)

@@ -99,13 +99,18 @@ def test_snapshots_and_synthesis_against_the_paper(tmp_path):
     rng = np.random.default_rng(0)
     w = keras.Variable(rng.normal(size=(3, 2)).astype("float32"))
     opt = keras_ema_opt.SGD(learning_rate=0.05, averaging=averaging)
-    for step in range(1, 201):
+    opt.build([w])
+    for step in range(200):
+        if step % 20 == 0:
+            # `step % 20 == 0` before the update: a snapshot at step 0 too,
+            # which EDM2's solve leaves out (0 < t_i <= t).
+            opt.save_snapshot()
         g = rng.normal(size=(3, 2)).astype("float32") + 0.5
         opt.apply_gradients([(keras.ops.convert_to_tensor(g), w)])
-        if step % 20 == 0:
-            opt.save_snapshot()
+    opt.save_snapshot()
     files = sorted(p.name for p in tmp_path.iterdir())
-    assert files == [f"phema-{s:09d}.npz" for s in range(20, 201, 20)]
+    assert files == [f"phema-{s:09d}.npz" for s in range(0, 201, 20)]
+    files = files[1:]  # the snapshots after the steps 20, 40, ..., 200
 
     # Float64 reference of EDM2's solve over the same snapshot files.
     snaps = [np.load(tmp_path / f) for f in files]
@@ -180,6 +185,13 @@ def test_snapshot_steps_with_steps_per_execution_and_loss_scaling(
 def test_power_ema_errors():
     with pytest.raises(ValueError, match="sigma_rels=\\(0.5,\\)"):
         keras_ema_opt.PowerEMA(sigma_rels=(0.5,))
+    with pytest.raises(ValueError, match="a sequence of widths"):
+        keras_ema_opt.PowerEMA(sigma_rels=0.1)
+    for width in (0, 0.4, "0.1"):
+        # EDM2's widths: sigma_rel in (0, 1/sqrt(12)); a wider one has a
+        # negative exponent and no meaning.
+        with pytest.raises(ValueError, match=f"sigma_rel={width!r}"):
+            keras_ema_opt.PowerEMA().synthesize(width, snapshot_dir="/x")
     with pytest.raises(ValueError, match="needs a `snapshot_dir`"):
         keras_ema_opt.PowerEMA(snapshot_every=10)
     with pytest.raises(ValueError, match="No power-EMA snapshots"):

@@ -114,10 +114,13 @@ def synthesize(directory, gamma, step=None):
     Returns:
         A dict ``variable path -> float32 numpy array``.
     """
-    snapshots = read_snapshots(directory, step)
+    # A snapshot of step 0 (before any update) has no power-function
+    # profile to fit: EDM2 keeps the snapshots of 0 < t_i <= t.
+    snapshots = [s for s in read_snapshots(directory, step)
+                 if s[0]["step"] > 0]
     if not snapshots:
         raise InvalidArgumentError(
-            f"No power-EMA snapshots in {directory!r}"
+            f"No power-EMA snapshots after step 0 in {directory!r}"
             + ("" if step is None else f" at or before step {step}")
             + ". PowerEMA writes them every `snapshot_every` steps."
         )

@@ -38,6 +38,19 @@ def _check_unit(name, value):
     return float(value)
 
 
+def _is_sigma_rel(value):
+    return (not isinstance(value, bool) and isinstance(value, numbers.Real)
+            and 0 < value < 0.2886)
+
+
+def _check_sigma_rel(name, value):
+    if not _is_sigma_rel(value):
+        raise InvalidArgumentError(
+            f"`{name}` must be a number in (0, 0.2886) (0.2886 is the "
+            f"uniform average, gamma = 0). Received: {name}={value!r}")
+    return float(value)
+
+
 class Averaging:
     """Base class of the averaging strategies.
 
@@ -304,13 +317,18 @@ class PowerEMA(Averaging):
         super().__init__(start_step=0, every=every,
                          average_dtype=average_dtype, finalize=finalize,
                          **kwargs)
-        sigma_rels = tuple(float(s) for s in sigma_rels)
-        if not sigma_rels or any(not 0 < s < 0.2886 for s in sigma_rels):
+        if isinstance(sigma_rels, numbers.Real):
+            raise InvalidArgumentError(
+                "`sigma_rels` must be a sequence of widths, e.g. "
+                f"(0.05, 0.10). Received: sigma_rels={sigma_rels!r}")
+        sigma_rels = tuple(sigma_rels)
+        if not sigma_rels or not all(_is_sigma_rel(s) for s in sigma_rels):
             raise InvalidArgumentError(
                 "`sigma_rels` must be a non-empty sequence of numbers in "
                 "(0, 0.2886) (0.2886 is the uniform average, gamma = 0). "
                 f"Received: sigma_rels={sigma_rels!r}"
             )
+        sigma_rels = tuple(float(s) for s in sigma_rels)
         self.sigma_rels = sigma_rels
         self.gammas = tuple(schedules.sigma_rel_to_gamma(s)
                             for s in sigma_rels)
@@ -346,7 +364,8 @@ class PowerEMA(Averaging):
                 "synthesize() needs the snapshot folder: pass "
                 "`snapshot_dir=` here or to PowerEMA."
             )
-        gamma = schedules.sigma_rel_to_gamma(sigma_rel)
+        gamma = schedules.sigma_rel_to_gamma(
+            _check_sigma_rel("sigma_rel", sigma_rel))
         return posthoc.synthesize(directory, gamma, step)
 
     def get_config(self):

@@ -33,9 +33,12 @@ model.train_on_batch(np.ones((4, 3)), np.ones((4, 2)))  # resumes
 
 import os
 import tempfile
+import warnings
 
 import numpy as np
 
+from keras_ema_opt.errors import InvalidArgumentError
+from keras_ema_opt.errors import LegacyStateError
 from keras_ema_opt.savedmodel import convert
 from keras_ema_opt.savedmodel import readers
 from keras_ema_opt.savedmodel.record import LegacyRecord
@@ -131,16 +134,13 @@ def load_legacy(path, custom_objects=None, safe_mode=True, model=None):
 def _load(path, custom_objects, safe_mode, model):
     """(model, record, {record weight key: model variable}, [(what,
     optimizer variable, source value)])."""
-    import keras
+    from keras_ema_opt.compat import configs
 
     record = readers.read(path)
     if record.format == "keras_v2_zip":
         return _load_keras_zip(record, custom_objects, safe_mode,
                                model), record, {}, []
-    if model is None:
-        model = convert.build_model(record, custom_objects, safe_mode)
-    elif callable(model) and not isinstance(model, keras.Model):
-        model = model()
+    model = _given_model(record, custom_objects, safe_mode, model)
     mapping = convert.assign_weights(record, model)
     optimizer = getattr(model, "optimizer", None)
     placed = []
@@ -148,27 +148,72 @@ def _load(path, custom_objects, safe_mode, model):
         if optimizer is None:
             optimizer = convert.optimizer_from_record(record, custom_objects)
         convert.fill_optimizer(record, optimizer, mapping, model, placed)
+        _warn_loss_scale(record, optimizer)
+    elif optimizer is None:
+        config = (record.training_config or {}).get("optimizer_config")
+        if config is not None:
+            optimizer = configs.from_legacy_config(config, custom_objects)
     if getattr(model, "optimizer", None) is None or not getattr(
             model, "compiled", False):
-        model.compile(optimizer=optimizer or "rmsprop",
+        if optimizer is None:
+            warnings.warn(
+                f"{record.path} holds no optimizer and no training config "
+                "(an uncompiled model, or one saved with "
+                "`include_optimizer=False`): the Keras 3 model is not "
+                "compiled.", stacklevel=3)
+            return model, record, mapping, placed
+        model.compile(optimizer=optimizer,
                       **convert.compile_arguments(record, custom_objects))
+    if record.optimizer is None:
+        inner = getattr(model.optimizer, "inner_optimizer", model.optimizer)
+        warnings.warn(
+            f"{record.path} holds no optimizer state (the optimizer had not "
+            "taken a step, or was not saved): "
+            f"{type(inner).__name__} starts fresh (iterations 0, its slots "
+            "and averages new).", stacklevel=3)
+    if not model.optimizer.built:
+        # Built on the model, so that the written file holds its variables
+        # (Keras builds it when the file is loaded).
+        model.optimizer.build(model.trainable_variables)
     return model, record, mapping, placed
+
+
+def _given_model(record, custom_objects, safe_mode, model):
+    """The Keras 3 model: built from the record's config, or the one given
+    (a model, or a function returning one)."""
+    import keras
+
+    if model is None:
+        return convert.build_model(record, custom_objects, safe_mode)
+    built = model
+    if callable(model) and not isinstance(model, keras.Model):
+        built = model()
+    if not isinstance(built, keras.Model):
+        raise InvalidArgumentError(
+            "`model` must be a Keras 3 model, or a function returning one. "
+            f"Received: {model!r}, which gave {type(built).__name__}.")
+    return built
+
+
+def _warn_loss_scale(record, optimizer):
+    """h5 files do not store a loss-scale optimizer's dynamic scale."""
+    if hasattr(optimizer, "dynamic_scale") and (
+            "current_loss_scale" not in record.optimizer.hyperparameters):
+        warnings.warn(
+            f"{record.path} does not store the loss scale of its "
+            "LossScaleOptimizer (h5 files do not): the dynamic scale and "
+            "its count of good steps start again from the initial scale. "
+            "A SavedModel or checkpoint of the same model keeps them.",
+            stacklevel=4)
 
 
 def _load_keras_zip(record, custom_objects, safe_mode, model):
     """A tf_keras ``.keras`` file: the model and its weights, compiled with
     a fresh optimizer from its config (the file keeps the optimizer's state
     by position only: a warning names what is not migrated)."""
-    import warnings
-
-    import keras
-
     from keras_ema_opt.compat import configs
 
-    if model is None:
-        model = convert.build_model(record, custom_objects, safe_mode)
-    elif callable(model) and not isinstance(model, keras.Model):
-        model = model()
+    model = _given_model(record, custom_objects, safe_mode, model)
     convert.assign_layout_weights(record, model)
     for message in record.warnings:
         warnings.warn(message, stacklevel=4)
@@ -256,14 +301,20 @@ def migrate(src, dst, custom_objects=None, safe_mode=True, model=None,
 
     say = progress or (lambda message: None)
     if not str(dst).endswith(".keras"):
-        from keras_ema_opt.errors import InvalidArgumentError
-
         raise InvalidArgumentError(
             f"The destination must be a .keras file. Received: {dst}")
+    directory = os.path.dirname(os.path.abspath(dst))
+    if os.path.isdir(dst):
+        raise InvalidArgumentError(
+            f"The destination {dst} is a directory: expected the path of a "
+            ".keras file to write.")
+    if not os.path.isdir(directory):
+        raise InvalidArgumentError(
+            f"The folder of the destination {dst} does not exist "
+            f"({directory}): create it first.")
     say(f"reading {src}")
     migrated, record, mapping, placed = _load(src, custom_objects, safe_mode,
                                               model)
-    directory = os.path.dirname(os.path.abspath(dst))
     fd, tmp = tempfile.mkstemp(suffix=".keras", dir=directory,
                                prefix=".migrate-")
     os.close(fd)
@@ -275,7 +326,11 @@ def migrate(src, dst, custom_objects=None, safe_mode=True, model=None,
                 "and the source, one forward pass")
             reloaded = keras.saving.load_model(
                 tmp, custom_objects=custom_objects, safe_mode=safe_mode)
-            verify_same(migrated, reloaded, progress)
+            try:
+                verify_same(migrated, reloaded, progress)
+            except LegacyStateError as e:
+                raise LegacyStateError(
+                    f"{src} -> {dst}: {e} No file was written.") from e
             _verify_source(record, mapping, placed, migrated, reloaded)
         umask = os.umask(0)
         os.umask(umask)
@@ -296,16 +351,14 @@ def verify_same(expected, actual, progress=None):
     """
     from keras import ops
 
-    from keras_ema_opt.errors import LegacyStateError
-
     pairs = list(zip(expected.weights, actual.weights))
-    if expected.optimizer is not None:
-        pairs += list(zip(expected.optimizer.variables,
-                          actual.optimizer.variables))
+    want = getattr(expected, "optimizer", None)
+    got = getattr(actual, "optimizer", None)
+    if want is not None and got is not None:
+        pairs += list(zip(want.variables, got.variables))
     if len(expected.weights) != len(actual.weights) or (
-            expected.optimizer is not None and len(
-                expected.optimizer.variables) != len(
-                    actual.optimizer.variables)):
+            (want is None) != (got is None)) or (
+            want is not None and len(want.variables) != len(got.variables)):
         raise LegacyStateError(
             "The written .keras file does not hold the same number of "
             "variables as the migrated model.")
@@ -328,8 +381,6 @@ def _verify_source(record, mapping, placed, migrated, reloaded):
     """The reloaded weights and optimizer state equal the source
     artifact's, tensor by tensor."""
     from keras import ops
-
-    from keras_ema_opt.errors import LegacyStateError
 
     def check(got, want, what):
         got = np.asarray(ops.convert_to_numpy(got))

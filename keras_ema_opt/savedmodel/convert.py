@@ -375,7 +375,21 @@ def _assign(variable, value, what, record):
 
 
 def compile_arguments(record, custom_objects=None):
-    """Loss, metrics and loss weights from the Keras 2 training config."""
+    """Loss, metrics, weighted metrics and loss weights from the Keras 2
+    training config, as Keras 3 objects.
+
+    Keras 2 loss configs carry ``reduction="auto"`` (Keras 3:
+    ``"sum_over_batch_size"``, what ``"auto"`` meant outside a
+    ``tf.distribute`` strategy) and the wrapped function's name (``fn``),
+    which Keras 3's loss classes do not take: both are translated. A loss
+    or metric stored by name is resolved now, through ``custom_objects``
+    (a custom function), not at the first training step. A metric Keras 3
+    cannot build is left out with a warning naming it (metrics hold no
+    training state).
+
+    Raises:
+        LegacyConfigError: a loss Keras 3 cannot build, named.
+    """
     training = record.training_config or {}
     out = {}
     loss = training.get("loss")
@@ -383,19 +397,112 @@ def compile_arguments(record, custom_objects=None):
         out["loss"] = _loss(loss, custom_objects, record)
     if training.get("loss_weights") is not None:
         out["loss_weights"] = training["loss_weights"]
+    dropped = []
+    for key in ("metrics", "weighted_metrics"):
+        value = training.get(key)
+        if value is not None:
+            metrics = _metrics(value, custom_objects, dropped)
+            if metrics:
+                out[key] = metrics
+    if dropped:
+        warnings.warn(
+            f"{record.path}: Keras 3 cannot build the compile metric(s) "
+            f"{dropped}; the model is compiled without them (metrics hold "
+            "no training state). A custom metric comes in through "
+            "`custom_objects`.", stacklevel=4)
     return out
 
 
 def _loss(loss, custom_objects, record):
     if isinstance(loss, dict) and "class_name" in loss:
+        config = dict(loss.get("config") or {})
+        config.pop("fn", None)  # Keras 2's LossFunctionWrapper subclasses
+        if config.get("reduction") == "auto":
+            config["reduction"] = "sum_over_batch_size"
         try:
-            return keras.losses.deserialize(loss, custom_objects)
+            with keras.saving.custom_object_scope(custom_objects or {}):
+                return keras.losses.deserialize(
+                    dict(loss, config=config), custom_objects)
         except (TypeError, ValueError) as e:
             raise LegacyConfigError(
-                f"{record.path}: unknown loss {loss.get('class_name')!r} "
-                f"({_first_line(e)}).") from e
+                f"{record.path}: Keras 3 cannot build the Keras 2 loss "
+                f"{loss.get('class_name')!r} with the config {config} "
+                f"({_first_line(e)}). A custom loss comes in through "
+                "`custom_objects`.") from e
     if isinstance(loss, dict):
         return {k: _loss(v, custom_objects, record) for k, v in loss.items()}
     if isinstance(loss, list):
         return [_loss(v, custom_objects, record) for v in loss]
+    if isinstance(loss, str):
+        found = _custom(loss, custom_objects)
+        if found is not None:
+            return found
+        try:
+            return keras.losses.get(loss)
+        except (TypeError, ValueError) as e:
+            raise LegacyConfigError(
+                f"{record.path}: the model was compiled with the loss "
+                f"{loss!r}, which is no Keras 3 loss: pass the function in "
+                f"`custom_objects` ({{{loss!r}: fn}}, or `--custom-objects "
+                "module`).") from e
     return loss
+
+
+def _metrics(value, custom_objects, dropped):
+    """Keras 2's saved metrics (one list per output, of configs or names)
+    as Keras 3 compile metrics; what cannot be built goes to ``dropped``."""
+    if isinstance(value, dict) and "class_name" not in value:
+        out = {k: _metrics(v, custom_objects, dropped)
+               for k, v in value.items()}
+        return {k: v for k, v in out.items() if v}
+    if isinstance(value, (list, tuple)):
+        out = [_metrics(v, custom_objects, dropped) for v in value]
+        if out and all(isinstance(v, list) for v in out):
+            # one list per output; a single output takes the flat list
+            return out[0] if len(out) == 1 else out
+        return [v for v in out if v is not None]
+    return _metric(value, custom_objects, dropped)
+
+
+def _metric(value, custom_objects, dropped):
+    scope = keras.saving.custom_object_scope(custom_objects or {})
+    if isinstance(value, str):
+        found = _custom(value, custom_objects)
+        if found is not None:
+            return found
+        try:
+            keras.metrics.get(value)
+        except (TypeError, ValueError):
+            dropped.append(value)
+            return None
+        return value  # Keras 3 resolves names by the model's outputs
+    if not isinstance(value, dict) or "class_name" not in value:
+        dropped.append(repr(value))
+        return None
+    config = dict(value.get("config") or {})
+    name = config.get("name") or value["class_name"]
+    try:
+        with scope:
+            if value["class_name"] == "MeanMetricWrapper":
+                fn = config.pop("fn", None)
+                fn = _custom(str(fn), custom_objects) or getattr(
+                    keras.metrics, str(fn), None) or getattr(
+                        keras.losses, str(fn), None)
+                if not callable(fn) or isinstance(fn, type):
+                    raise ValueError(f"no metric function {fn!r}")
+                return keras.metrics.MeanMetricWrapper(
+                    fn, name=name, dtype=config.get("dtype"))
+            return keras.metrics.deserialize(dict(value, config=config),
+                                             custom_objects)
+    except (TypeError, ValueError, AttributeError):
+        dropped.append(name)
+        return None
+
+
+def _custom(name, custom_objects):
+    """``name`` in ``custom_objects`` or Keras' registered custom objects
+    (Keras 3 looks a loss or metric given by name up among its own only)."""
+    found = (custom_objects or {}).get(name)
+    if found is None:
+        found = keras.saving.get_custom_objects().get(name)
+    return found

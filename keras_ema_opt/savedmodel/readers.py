@@ -140,16 +140,45 @@ def read_checkpoint(prefix, _record=None):
     graph = _Graph(reader, prefix)
     record = _record or LegacyRecord(path=str(prefix), format="checkpoint")
     root = graph.children(0)
-    model = root["model"] if "model" in root else 0
+    model = _model_node(graph, root)
     optimizer = root.get("optimizer")
     if optimizer is None:
         optimizer = graph.children(model).get("optimizer")
     paths = _read_model_weights(graph, model, optimizer, record)
-    if optimizer is not None:
+    if optimizer is not None and not graph.children(optimizer) and not (
+            graph.nodes[optimizer]["slot_variables"]):
+        # An OptimizerV2 creates its variables at its first step.
+        record.warnings.append(
+            "The optimizer has no state yet (it had not taken a step).")
+        optimizer = None
+    elif optimizer is not None:
         record.optimizer = _read_optimizer(graph, optimizer, record, paths)
     elif record.format == "checkpoint":
         record.warnings.append("The checkpoint holds no optimizer.")
     return record
+
+
+def _has_layers(graph, node):
+    return any(name.startswith(("layer_with_weights-", "layer-"))
+               for name in graph.children(node))
+
+
+def _model_node(graph, root):
+    """The node of the model: ``model`` (Keras' own checkpoints), the root
+    (``save_weights``, SavedModels), or the one child of the root holding
+    layers (``tf.train.Checkpoint(net=model, ...)``)."""
+    if "model" in root or _has_layers(graph, 0):
+        return root.get("model", 0)
+    holders = sorted(name for name, node in root.items()
+                     if name != "optimizer" and _has_layers(graph, node))
+    if len(holders) == 1:
+        return root[holders[0]]
+    if holders:
+        raise LegacyFormatError(
+            f"{graph.path}: the checkpoint holds several models "
+            f"({holders}): expected one, under `model` or as the root.",
+            path=graph.path, key=",".join(holders))
+    return 0
 
 
 def _natural(path):
@@ -337,7 +366,7 @@ def read_savedmodel(directory):
     metadata = os.path.join(directory, "keras_metadata.pb")
     if os.path.exists(metadata):
         with open(metadata, "rb") as f:
-            nodes = wire.parse_saved_metadata(f.read())
+            nodes = wire.parse_saved_metadata(f.read(), path=metadata)
         root = next((n for n in nodes if n["node_path"] == "root"), None)
         if root is not None:
             meta = _json(root["metadata"], metadata, "root")

@@ -1,0 +1,123 @@
+"""Keras 2 artifacts of what a model is compiled with, and of models with
+no optimizer state, saved by real tf_keras, with tf_keras' own results of
+the next training step (the oracle of ``tests/test_migration_compile.py``).
+
+Usage: make_compile_artifacts.py OUT_DIR NAME... ; NAME a key of CASES.
+Writes OUT_DIR/<name>/{model.h5, savedmodel/, ckpt/, expected.json}:
+``expected.json`` holds tf_keras' ``train_on_batch`` logs (loss and
+metrics) of the batch in it, taken right after saving, and the weights
+after that step.
+"""
+
+import json
+import os
+import sys
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+os.environ.setdefault("TF_USE_LEGACY_KERAS", "1")
+
+import numpy as np  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+try:
+    import tf_keras as k2  # noqa: E402
+except ImportError:  # tf.keras 2.12
+    k2 = tf.keras
+
+
+def my_loss(y_true, y_pred):
+    """A custom loss, stored in the files by its name only."""
+    return tf.reduce_mean(tf.abs(y_true - y_pred), axis=-1) * 2.0
+
+
+def _classifier():
+    model = k2.Sequential([k2.Input((4,)), k2.layers.Dense(3, name="d")])
+    model.compile(
+        optimizer=k2.optimizers.Adam(0.01),
+        loss=k2.losses.SparseCategoricalCrossentropy(from_logits=True),
+        metrics=["accuracy", k2.metrics.SparseTopKCategoricalAccuracy(k=2)])
+    rng = np.random.RandomState(0)
+    return model, [(rng.randn(8, 4).astype("float32"),
+                    rng.randint(0, 3, 8).astype("int32")) for _ in range(3)]
+
+
+def _regression(loss, metrics, optimizer=None):
+    def make():
+        model = k2.Sequential([k2.Input((4,)), k2.layers.Dense(2, name="d")])
+        model.compile(optimizer=optimizer() if optimizer else
+                      k2.optimizers.SGD(0.05, momentum=0.9),
+                      loss=loss(), metrics=metrics())
+        rng = np.random.RandomState(1)
+        return model, [(rng.randn(8, 4).astype("float32"),
+                        rng.randn(8, 2).astype("float32")) for _ in range(3)]
+    return make
+
+
+def _mixed():
+    # Targets far beyond float16: the first steps overflow and halve the
+    # dynamic loss scale (32768 -> 4096), state an .h5 does not keep.
+    model = k2.Sequential([k2.Input((4,)), k2.layers.Dense(2, name="d")])
+    model.compile(optimizer=k2.optimizers.Adam(0.01), loss="mse")
+    rng = np.random.RandomState(2)
+    return model, [(rng.randn(8, 4).astype("float32"),
+                    np.full((8, 2), 3e4, "float32")) for _ in range(3)] + [
+        (rng.randn(8, 4).astype("float32"),
+         rng.randn(8, 2).astype("float32"))]
+
+
+CASES = {
+    # Loss objects carry Keras 2's `reduction="auto"` and `fn`.
+    "loss_objects": _classifier,
+    "metric_objects": _regression(
+        lambda: k2.losses.MeanSquaredError(),
+        lambda: [k2.metrics.MeanAbsoluteError(), "mse"]),
+    "custom_loss": _regression(lambda: my_loss, lambda: ["mae"]),
+    # Compiled, saved before the first step: no optimizer state anywhere.
+    "fresh": _regression(lambda: "mse", lambda: None,
+                         lambda: k2.optimizers.legacy.SGD(0.05,
+                                                          momentum=0.9)),
+    "mixed": _mixed,
+}
+STEPS_BEFORE = {"fresh": 0, "mixed": 3}
+
+
+def make(out, name):
+    tf.random.set_seed(0)
+    k2.utils.set_random_seed(0)
+    k2.mixed_precision.set_global_policy(
+        "mixed_float16" if name == "mixed" else "float32")
+    model, batches = CASES[name]()
+    for x, y in batches[:STEPS_BEFORE.get(name, 2)]:
+        model.train_on_batch(x, y)
+    folder = os.path.join(out, name)
+    os.makedirs(folder, exist_ok=True)
+    model.save(os.path.join(folder, "savedmodel"), save_format="tf")
+    model.save(os.path.join(folder, "model.h5"), save_format="h5")
+    if name == "fresh":
+        model.save(os.path.join(folder, "no_optimizer.h5"),
+                   include_optimizer=False)
+        model.save(os.path.join(folder, "no_optimizer"), save_format="tf",
+                   include_optimizer=False)
+    else:
+        # As TensorFlow's checkpoint guide writes them: the model under
+        # a key of the user's choosing.
+        tf.train.Checkpoint(step=tf.Variable(7), optimizer=model.optimizer,
+                            net=model).write(
+                                os.path.join(folder, "ckpt", "ckpt"))
+    scale = getattr(model.optimizer, "loss_scale", None)
+    scale = None if scale is None else float(scale)
+    x, y = batches[STEPS_BEFORE.get(name, 2)]
+    logs = model.train_on_batch(x, y, return_dict=True)
+    with open(os.path.join(folder, "expected.json"), "w") as f:
+        json.dump({"x": x.tolist(), "y": y.tolist(),
+                   "logs": {k: float(v) for k, v in logs.items()},
+                   "after": [w.numpy().tolist() for w in model.weights],
+                   "iterations": int(model.optimizer.iterations.numpy()),
+                   "loss_scale": scale},
+                  f)
+
+
+if __name__ == "__main__":
+    for case in sys.argv[2:]:
+        make(sys.argv[1], case)
+    print("ok")

@@ -1,0 +1,171 @@
+"""What a Keras 2 model was compiled with migrates too: loss objects and
+custom losses, metrics, a model with no optimizer state, a loss scale, a
+checkpoint laid out as TensorFlow's guide writes it; and the destination
+is checked before anything is read.
+
+Artifacts are made by real tf_keras during the test run
+(``tests/scripts/make_compile_artifacts.py``); the oracle is tf_keras' own
+``train_on_batch`` right after saving: the migrated model's (after writing
+and reloading the ``.keras`` file) must give the same loss and metrics,
+and the same weights after the step.
+"""
+
+import json
+import os
+
+import keras
+import numpy as np
+import pytest
+
+import keras_ema_opt
+from keras_ema_opt.errors import InvalidArgumentError
+from keras_ema_opt.savedmodel import migrate
+from conftest import ROOT
+from conftest import made_by_script
+from conftest import to_numpy
+from legacy_custom_objects import my_loss
+
+pytest.importorskip("tf_keras")
+
+SCRIPT = os.path.join(ROOT, "tests", "scripts", "make_compile_artifacts.py")
+CASES = ["loss_objects", "metric_objects", "custom_loss", "fresh", "mixed"]
+CUSTOM = {"my_loss": my_loss}
+
+
+@pytest.fixture(scope="module")
+def artifacts():
+    return made_by_script(SCRIPT, CASES)
+
+
+def _expected(folder):
+    with open(os.path.join(folder, "expected.json")) as f:
+        return json.load(f)
+
+
+def _migrated(folder, name, tmp_path, **kwargs):
+    dst = str(tmp_path / "new.keras")
+    migrate(os.path.join(folder, name), dst, custom_objects=CUSTOM,
+            **kwargs)
+    return keras.saving.load_model(dst, custom_objects=CUSTOM)
+
+
+def _continues_like_tf_keras(model, expected):
+    x = np.asarray(expected["x"], "float32")
+    y = np.asarray(expected["y"])
+    logs = model.train_on_batch(x, y, return_dict=True)
+    assert sorted(logs) == sorted(expected["logs"])
+    for key, want in expected["logs"].items():
+        assert float(logs[key]) == pytest.approx(want, rel=1e-5, abs=1e-6), (
+            key)
+    for got, want in zip(model.weights, expected["after"]):
+        np.testing.assert_allclose(to_numpy(got), np.asarray(want),
+                                   rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("fmt", ["model.h5", "savedmodel"])
+@pytest.mark.parametrize("case", ["loss_objects", "metric_objects",
+                                  "custom_loss"])
+def test_loss_and_metrics_continue_like_tf_keras(artifacts, tmp_path, case,
+                                                 fmt):
+    # Keras 2 loss objects carry `reduction="auto"` and `fn`, which Keras 3
+    # refuses; a custom loss is stored by name and comes in through
+    # custom_objects; metrics are stored resolved ("accuracy" as a
+    # MeanMetricWrapper of sparse_categorical_accuracy).
+    folder = os.path.join(artifacts, case)
+    model = _migrated(folder, fmt, tmp_path)
+    _continues_like_tf_keras(model, _expected(folder))
+
+
+def test_custom_loss_needs_its_function(artifacts, tmp_path):
+    src = os.path.join(artifacts, "custom_loss", "model.h5")
+    with pytest.raises(keras_ema_opt.errors.LegacyConfigError,
+                       match="'my_loss'.*custom_objects"):
+        migrate(src, str(tmp_path / "new.keras"))
+    assert os.listdir(tmp_path) == []
+
+
+def test_checkpoint_with_the_model_under_a_key_of_its_own(artifacts):
+    # tf.train.Checkpoint(step=..., optimizer=..., net=model), as in
+    # TensorFlow's checkpoint guide: the model is found under `net`.
+    folder = os.path.join(artifacts, "loss_objects")
+
+    def build():
+        model = keras.Sequential([keras.Input((4,)),
+                                  keras.layers.Dense(3, name="d")])
+        model.compile(
+            optimizer=keras_ema_opt.Adam(0.01),
+            loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+            metrics=["accuracy",
+                     keras.metrics.SparseTopKCategoricalAccuracy(k=2)])
+        return model
+
+    model = keras_ema_opt.load_legacy(os.path.join(folder, "ckpt", "ckpt"),
+                                      model=build)
+    assert int(to_numpy(model.optimizer.iterations)) == 2
+    _continues_like_tf_keras(model, _expected(folder))
+
+
+@pytest.mark.parametrize("fmt", ["model.h5", "savedmodel"])
+def test_optimizer_without_state_starts_fresh_from_its_config(
+        artifacts, tmp_path, fmt):
+    # An OptimizerV2 saved before its first step has no variables: the
+    # optimizer comes from the training config (SGD 0.05, momentum 0.9,
+    # not Keras' default RMSprop), built, with a warning.
+    folder = os.path.join(artifacts, "fresh")
+    with pytest.warns(UserWarning, match="holds no optimizer state"):
+        model = _migrated(folder, fmt, tmp_path)
+    config = model.optimizer.get_config()
+    assert type(model.optimizer).__name__ == "SGD"
+    assert config["learning_rate"] == pytest.approx(0.05)
+    assert config["momentum"] == pytest.approx(0.9)
+    assert int(to_numpy(model.optimizer.iterations)) == 0
+    _continues_like_tf_keras(model, _expected(folder))
+
+
+@pytest.mark.parametrize("fmt", ["no_optimizer.h5", "no_optimizer"])
+def test_model_saved_without_optimizer_is_written_uncompiled(
+        artifacts, tmp_path, fmt):
+    folder = os.path.join(artifacts, "fresh")
+    with pytest.warns(UserWarning, match="not compiled"):
+        model = _migrated(folder, fmt, tmp_path)
+    assert not model.compiled
+    reference = keras_ema_opt.load_legacy(os.path.join(folder, "model.h5"))
+    for got, want in zip(model.weights, reference.weights):
+        np.testing.assert_array_equal(to_numpy(got), to_numpy(want))
+
+
+def test_loss_scale_is_kept_from_a_savedmodel_and_named_when_lost(
+        artifacts, tmp_path):
+    folder = os.path.join(artifacts, "mixed")
+    scale = _expected(folder)["loss_scale"]
+    assert scale < 32768  # the overflowing steps halved it in tf_keras
+    keras.config.set_dtype_policy("mixed_float16")
+    try:
+        model = _migrated(folder, "savedmodel", tmp_path)
+        assert float(to_numpy(model.optimizer.dynamic_scale)) == scale
+        with pytest.warns(UserWarning, match="does not store the loss scale"):
+            model = keras_ema_opt.load_legacy(os.path.join(folder,
+                                                           "model.h5"))
+        assert float(to_numpy(model.optimizer.dynamic_scale)) == 32768
+    finally:
+        keras.config.set_dtype_policy("float32")
+
+
+def test_destination_is_checked_before_the_source_is_read(tmp_path):
+    # The source does not exist: only the destination's error can come.
+    src = str(tmp_path / "missing.h5")
+    with pytest.raises(InvalidArgumentError, match="does not exist"):
+        migrate(src, str(tmp_path / "no" / "such" / "new.keras"))
+    (tmp_path / "taken.keras").mkdir()
+    with pytest.raises(InvalidArgumentError, match="is a directory"):
+        migrate(src, str(tmp_path / "taken.keras"))
+    assert sorted(os.listdir(tmp_path)) == ["taken.keras"]
+    assert os.listdir(tmp_path / "taken.keras") == []
+
+
+def test_model_builder_must_give_a_model(artifacts, tmp_path):
+    src = os.path.join(artifacts, "fresh", "model.h5")
+    with pytest.raises(InvalidArgumentError,
+                       match="a function returning one.*gave str"):
+        migrate(src, str(tmp_path / "new.keras"), model=lambda: "model")
+    assert os.listdir(tmp_path) == []
