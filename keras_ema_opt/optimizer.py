@@ -851,7 +851,7 @@ class Optimizer(backend.OptimizerHooks, keras.optimizers.Optimizer):
             var_list: Variables to overwrite; default: every averaged one.
             slot: Which average for strategies keeping several (PowerEMA).
         """
-        averager = self._require_averages("assign_averages")
+        averager = self._require_averages("assign_averages", slot)
         for var in averager.variables if var_list is None else var_list:
             i = averager.index(self, var)
             if i is not None and averager.slots[i] is not None:
@@ -864,7 +864,7 @@ class Optimizer(backend.OptimizerHooks, keras.optimizers.Optimizer):
         ``overwrite_with_gradient`` variables). Debiased averages come back
         corrected.
         """
-        averager = self._require_averages("average_of")
+        averager = self._require_averages("average_of", slot)
         i = averager.index(self, variable)
         if i is None:
             raise UnknownVariableError(
@@ -901,7 +901,13 @@ class Optimizer(backend.OptimizerHooks, keras.optimizers.Optimizer):
             averaged_predictions = model.predict(np.ones((1, 2)), verbose=0)
         ```
         """
-        averager = self._require_averages("swap_average")
+        averager = self._require_averages("swap_average", slot)
+        if model is not None and (isinstance(model, str) or not (
+                isinstance(model, keras.layers.Layer)
+                or hasattr(model, "__iter__"))):
+            raise InvalidArgumentError(
+                "swap_average() takes a model or layer, a list of variables "
+                f"or None. Received: model={model!r}")
         variables = engine.model_variables(model) or averager.variables
         return averager.swap(self, variables, slot)
 
@@ -919,7 +925,16 @@ class Optimizer(backend.OptimizerHooks, keras.optimizers.Optimizer):
             self, directory
         )
 
-    def _require_averages(self, what):
+    def _require_averages(self, what, slot=0):
+        if self.averaging is not None:
+            slots = self.averaging.num_slots
+            if isinstance(slot, bool) or not isinstance(
+                    slot, numbers.Integral) or not 0 <= slot < slots:
+                raise InvalidArgumentError(
+                    f"{what}(): `slot` must be an integer in [0, {slots}) "
+                    f"({type(self.averaging).__name__} keeps {slots} "
+                    f"average{'s' if slots > 1 else ''} per variable). "
+                    f"Received: slot={slot!r}")
         if self._averager is None:
             if self.averaging is None:
                 raise ValueError(

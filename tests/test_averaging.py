@@ -399,6 +399,31 @@ def test_strategy_errors_name_the_value():
         keras_ema_opt.SWA(start_step=-1)
     with pytest.raises(InvalidArgumentError, match="Received: averaging=0.9"):
         keras_ema_opt.Adam(averaging=0.9)
+    for kwargs, text in [(dict(inv_gamma="a"), "inv_gamma='a'"),
+                         (dict(inv_gamma=None), "inv_gamma=None"),
+                         (dict(power=-1.0), "power=-1.0"),
+                         (dict(power="x"), "power='x'"),
+                         (dict(momentum=0.1, min_momentum=0.5),
+                          "min_momentum=0.5, momentum=0.1")]:
+        with pytest.raises(InvalidArgumentError, match=text):
+            keras_ema_opt.EMA(warmup="power", **kwargs)
+    with pytest.raises(InvalidArgumentError, match="start_step=100"):
+        keras_ema_opt.PowerEMA(start_step=100)
+
+
+def test_averaging_api_errors_name_the_slot_and_the_model():
+    w = keras.Variable(np.ones((2,), "float32"))
+    opt = keras_ema_opt.SGD(averaging=keras_ema_opt.PowerEMA())
+    opt.build([w])
+    assert opt.average_of(w, 1) is not None
+    for call in (lambda: opt.average_of(w, 2),
+                 lambda: opt.swap_average([w], slot=-1),
+                 lambda: opt.assign_averages(slot="1")):
+        with pytest.raises(InvalidArgumentError,
+                           match=r"`slot` must be an integer in \[0, 2\)"):
+            call()
+    with pytest.raises(InvalidArgumentError, match="Received: model='x'"):
+        opt.swap_average("x")
 
 
 def test_overwrite_frequency_writes_debiased_averages():

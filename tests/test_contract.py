@@ -140,6 +140,27 @@ def test_jit_compile_in_effect_per_backend():
 # ---------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("jit", [False, True])
+def test_callable_learning_rate_is_read_at_every_step(jit):
+    # A compiled eager step (JAX's jax.jit; TensorFlow's XLA, forced here
+    # on a CPU) calls the callable each step, as Keras' own eager step does,
+    # instead of freezing the value it had when traced.
+    rate = {"value": 0.1}
+    w = _var([1.0])
+    opt = keras_ema_opt.SGD(learning_rate=lambda: rate["value"],
+                            use_ema=True)
+    opt.jit_compile = jit and BACKEND != "torch"
+    theirs = _var([1.0])
+    keras_opt = keras.optimizers.SGD(learning_rate=lambda: rate["value"])
+    for value in (0.1, 0.5, 0.25):
+        rate["value"] = value
+        _step(opt, [w])
+        _step(keras_opt, [theirs])
+    np.testing.assert_allclose(to_numpy(w), to_numpy(theirs), rtol=1e-6)
+    np.testing.assert_allclose(to_numpy(w), [1.0 - 0.1 - 0.5 - 0.25],
+                               rtol=1e-6)
+
+
 def test_iterations_assignable_before_build():
     opt = keras_ema_opt.SGD(learning_rate=0.1)
     opt.iterations = 5

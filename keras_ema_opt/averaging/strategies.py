@@ -38,6 +38,17 @@ def _check_unit(name, value):
     return float(value)
 
 
+def _check_positive(name, value):
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, numbers.Real)
+        or not value > 0
+    ):
+        raise InvalidArgumentError(
+            f"`{name}` must be a number > 0. Received: {name}={value!r}")
+    return float(value)
+
+
 def _is_sigma_rel(value):
     return (not isinstance(value, bool) and isinstance(value, numbers.Real)
             and 0 < value < 0.2886)
@@ -206,13 +217,14 @@ class EMA(Averaging):
         self.warmup = warmup
         self.debias = bool(debias)
         self.initial = "zeros" if self.debias else "copy"
-        if not float(inv_gamma) > 0:
-            raise InvalidArgumentError(
-                f"`inv_gamma` must be > 0. Received: inv_gamma={inv_gamma!r}"
-            )
-        self.inv_gamma = float(inv_gamma)
-        self.power = float(power)
+        self.inv_gamma = _check_positive("inv_gamma", inv_gamma)
+        self.power = _check_positive("power", power)
         self.min_momentum = _check_unit("min_momentum", min_momentum)
+        if self.min_momentum > self.momentum:
+            raise InvalidArgumentError(
+                "`min_momentum` must be at most `momentum` (the floor and "
+                "the ceiling of the warm-up). Received: "
+                f"min_momentum={min_momentum!r}, momentum={momentum!r}")
 
     def decays(self, n, t):
         del t
@@ -313,7 +325,11 @@ class PowerEMA(Averaging):
         finalize=True,
         **kwargs,
     ):
-        kwargs.pop("start_step", None)
+        start_step = kwargs.pop("start_step", 0)
+        if start_step:
+            raise InvalidArgumentError(
+                "PowerEMA has no `start_step`: its power-function profile "
+                f"starts at step 0 (EDM2). Received: start_step={start_step!r}")
         super().__init__(start_step=0, every=every,
                          average_dtype=average_dtype, finalize=finalize,
                          **kwargs)

@@ -111,3 +111,33 @@ def lerp_averages(pairs, weight, gated=False):
     1 (copy) or 0 (keep), which must then be exact."""
     del weight, gated
     return pairs
+
+
+def callable_rate(optimizer):
+    """The optimizer's learning rate when it is a plain callable (Keras 2's
+    ``learning_rate=lambda: ...``), else None. A compiled eager step calls
+    it outside the program each step and passes the value in: traced, it
+    would be read once and frozen (Keras' own eager step calls it each
+    step)."""
+    inner = getattr(optimizer, "inner_optimizer", optimizer)
+    rate = getattr(inner, "_learning_rate", None)
+    if rate is None or isinstance(rate, keras.Variable) or isinstance(
+            rate, keras.optimizers.schedules.LearningRateSchedule):
+        return None
+    return rate if callable(rate) else None
+
+
+@contextlib.contextmanager
+def rate_given(optimizer, values):
+    """Inside a compiled step: the learning rate is ``values[0]``, the value
+    :func:`callable_rate` gave for this step (no change without one)."""
+    if not values:
+        yield
+        return
+    inner = getattr(optimizer, "inner_optimizer", optimizer)
+    rate = inner._learning_rate
+    inner._learning_rate = values[0]
+    try:
+        yield
+    finally:
+        inner._learning_rate = rate

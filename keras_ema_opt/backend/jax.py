@@ -67,8 +67,11 @@ def compiled_apply(optimizer, grads, variables):
         fn = _make_step(optimizer, variables, model_vars, opt_vars, read_vars,
                         donate)
         cache[(key, donate)] = fn
+    rate = _common.callable_rate(optimizer)
+    rate_values = [] if rate is None else [
+        jnp.asarray(keras.ops.convert_to_numpy(rate()), "float32")]
     new_model, new_opt = fn(model_values, opt_values, list(grads),
-                            [v.value for v in read_vars])
+                            [v.value for v in read_vars], rate_values)
     for var, value in zip(model_vars, new_model):
         var.assign(value)
     for var, value in zip(opt_vars, new_opt):
@@ -77,11 +80,12 @@ def compiled_apply(optimizer, grads, variables):
 
 
 def _make_step(optimizer, variables, model_vars, opt_vars, read_vars, donate):
-    def step(model_values, opt_values, grads, read_values):
+    def step(model_values, opt_values, grads, read_values, rate_values):
         mapping = list(zip(model_vars, model_values))
         mapping += list(zip(opt_vars, opt_values))
         mapping += list(zip(read_vars, read_values))
-        with StatelessScope(state_mapping=mapping) as scope:
+        with StatelessScope(state_mapping=mapping) as scope, \
+                _common.rate_given(optimizer, rate_values):
             optimizer.apply(grads, variables)
         return (
             [scope.get_current_value(v) for v in model_vars],

@@ -120,15 +120,19 @@ def compiled_apply(optimizer, grads, variables):
     cache = optimizer.__dict__.setdefault("_keo_compiled", {})
     fn = cache.get(key)
     if fn is None:
-        fn = tf.function(
-            lambda g: optimizer.apply(g, variables), jit_compile=True
-        )
+        def step(g, rate_values):
+            with _common.rate_given(optimizer, rate_values):
+                return optimizer.apply(g, variables)
+
+        fn = tf.function(step, jit_compile=True)
         cache[key] = fn
     # `None` gradients cannot cross the tf.function boundary as such.
     grads, variables = optimizer._filter_empty_gradients(grads, variables)
     if len(variables) != len(key):
         return optimizer.apply(grads, variables)
-    fn(list(grads))
+    rate = _common.callable_rate(optimizer)
+    fn(list(grads), [] if rate is None else [
+        tf.cast(tf.convert_to_tensor(rate()), tf.float32)])
     return optimizer.iterations
 
 
