@@ -298,6 +298,7 @@ class Optimizer(backend.OptimizerHooks, keras.optimizers.Optimizer):
         _take_lr_alias(arguments, cls_name)
         jit_compile = arguments.pop("jit_compile", True)
         averaging = arguments.pop("averaging", None)
+        follows = averaging is None  # an EMA from use_ema, if any
         _check_known(cls_name, arguments, _accepted_arguments(signature))
         defaults = _defaults(signature)
         value = lambda k: arguments.get(k, defaults.get(k))  # noqa: E731
@@ -327,6 +328,8 @@ class Optimizer(backend.OptimizerHooks, keras.optimizers.Optimizer):
         for key, clip in clipping.items():
             setattr(self, key, clip)
         self.averaging = averaging
+        # The EMA `use_ema` made follows `ema_momentum` set afterwards.
+        self._ema_follows_momentum = follows and averaging is not None
         self._averager = None
         self.decay = decay
         self.gradient_transformers = transformers
@@ -335,6 +338,26 @@ class Optimizer(backend.OptimizerHooks, keras.optimizers.Optimizer):
         self.jit_compile = backend.resolve_jit_compile(jit_compile)
         self._gradients_aggregated = False
         backend.on_create(self)
+
+    @property
+    def ema_momentum(self):
+        """Keras 2's EMA momentum. Set after construction, it changes the
+        momentum of the EMA ``use_ema=True`` made, from the next step on,
+        as Keras reads the attribute at each update (an ``averaging=``
+        strategy passed in is left as given)."""
+        return self.__dict__.get("_ema_momentum")
+
+    @ema_momentum.setter
+    def ema_momentum(self, value):
+        self.__dict__["_ema_momentum"] = value
+        averaging = self.__dict__.get("averaging")
+        if averaging is None or not self.__dict__.get(
+                "_ema_follows_momentum"):
+            return
+        _validate_ema(True, value, None)
+        averaging.momentum = float(value)
+        # Compiled eager steps read the momentum when traced.
+        self.__dict__.pop("_keo_compiled", None)
 
     def get_config(self):
         config = super().get_config()

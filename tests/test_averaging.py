@@ -411,6 +411,29 @@ def test_strategy_errors_name_the_value():
         keras_ema_opt.PowerEMA(start_step=100)
 
 
+@pytest.mark.parametrize("explicit", [False, True])
+def test_ema_momentum_set_after_construction(explicit):
+    # Keras 2 reads `ema_momentum` at every update: set between steps it
+    # applies from the next one (also through JAX's compiled eager step).
+    # An `averaging=` strategy passed in is left as given.
+    kwargs = dict(averaging=keras_ema_opt.EMA(0.9)) if explicit else dict(
+        use_ema=True, ema_momentum=0.9)
+    opt = keras_ema_opt.SGD(learning_rate=1.0, **kwargs)
+    w = keras.Variable(np.zeros((1,), "float32"))
+    momenta = [0.9, 0.5, 0.5]
+    expected = 0.0  # the average starts as the weights (Keras 2)
+    for step, momentum in enumerate(momenta, 1):
+        opt.ema_momentum = momentum
+        opt.apply_gradients([(keras.ops.convert_to_tensor([-1.0]), w)])
+        m = 0.9 if explicit else momentum
+        expected = m * expected + (1 - m) * step
+    np.testing.assert_allclose(to_numpy(opt.average_of(w)), [expected],
+                               rtol=1e-6)
+    if not explicit:
+        with pytest.raises(InvalidArgumentError, match="ema_momentum=1.5"):
+            opt.ema_momentum = 1.5
+
+
 def test_averaging_api_errors_name_the_slot_and_the_model():
     w = keras.Variable(np.ones((2,), "float32"))
     opt = keras_ema_opt.SGD(averaging=keras_ema_opt.PowerEMA())
