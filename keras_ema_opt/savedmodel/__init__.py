@@ -61,6 +61,30 @@ def inspect(path):
     Raises:
         keras_ema_opt.errors.LegacyFormatError: naming the file (and key)
             when it is not such an artifact or is damaged.
+
+    Example:
+
+    ```python
+    import os
+    import tempfile
+
+    import numpy as np
+    import tf_keras  # Keras 2, only to make an artifact for this example
+
+    import keras_ema_opt
+
+    old = tf_keras.Sequential([tf_keras.Input((3,)),
+                               tf_keras.layers.Dense(2, name="d")])
+    old.compile(optimizer=tf_keras.optimizers.Adam(use_ema=True), loss="mse")
+    old.train_on_batch(np.ones((4, 3)), np.ones((4, 2)))
+    path = os.path.join(tempfile.mkdtemp(), "old.h5")
+    old.save(path)
+
+    record = keras_ema_opt.savedmodel.inspect(path)
+    assert record.optimizer.class_name == "Adam"
+    assert sorted(record.names.values()) == ["d/bias", "d/kernel"]
+    assert len(record.optimizer.averages) == 2  # the EMA of each weight
+    ```
     """
     return readers.read(path)
 
@@ -72,6 +96,21 @@ def model_from_config(config, custom_objects=None, safe_mode=True):
     Raises:
         LegacyConfigError: a Lambda layer under ``safe_mode``, a removed
             argument with a value that mattered, an unknown class (named).
+
+    Example:
+
+    ```python
+    import tf_keras  # Keras 2, only to make a config for this example
+
+    from keras_ema_opt.savedmodel import model_from_config
+
+    old = tf_keras.Sequential([
+        tf_keras.layers.InputLayer(batch_input_shape=(None, 3)),
+        tf_keras.layers.Dense(2, activation="relu"),
+    ])
+    model = model_from_config(old.to_json())  # `batch_input_shape` and all
+    assert model.output_shape == (None, 2)
+    ```
     """
     import json
 
@@ -241,6 +280,36 @@ def restore_checkpoint(model, path, optimizer=None):
     Returns:
         The optimizer holding the state (``None`` when the checkpoint has
         none); the model holds the weights.
+
+    Example:
+
+    ```python
+    import os
+    import tempfile
+
+    import numpy as np
+    import tensorflow as tf  # only to write a checkpoint for this example
+    import tf_keras
+
+    import keras
+    import keras_ema_opt
+
+    old = tf_keras.Sequential([tf_keras.Input((3,)),
+                               tf_keras.layers.Dense(2, name="d")])
+    old.compile(optimizer=tf_keras.optimizers.SGD(0.1, momentum=0.9),
+                loss="mse")
+    old.train_on_batch(np.ones((4, 3)), np.ones((4, 2)))
+    prefix = os.path.join(tempfile.mkdtemp(), "ckpt")
+    tf.train.Checkpoint(model=old, optimizer=old.optimizer).write(prefix)
+
+    # The weights are placed by their Keras 2 names: the same layer names.
+    model = keras.Sequential([keras.Input((3,)),
+                              keras.layers.Dense(2, name="d")])
+    model.compile(optimizer=keras_ema_opt.SGD(0.1, momentum=0.9),
+                  loss="mse")
+    keras_ema_opt.savedmodel.restore_checkpoint(model, prefix)
+    assert int(model.optimizer.iterations) == 1
+    ```
     """
     record = readers.read(path)
     mapping = convert.assign_weights(record, model)
@@ -348,6 +417,25 @@ def verify_same(expected, actual, progress=None):
 
     Raises:
         LegacyStateError: naming the first tensor that differs.
+
+    Example:
+
+    ```python
+    import os
+    import tempfile
+
+    import numpy as np
+
+    import keras
+    import keras_ema_opt
+
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
+    model.compile(optimizer=keras_ema_opt.Adam(use_ema=True), loss="mse")
+    model.train_on_batch(np.ones((4, 3)), np.ones((4, 2)))
+    path = os.path.join(tempfile.mkdtemp(), "model.keras")
+    model.save(path)
+    keras_ema_opt.savedmodel.verify_same(model, keras.saving.load_model(path))
+    ```
     """
     from keras import ops
 
