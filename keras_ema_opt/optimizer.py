@@ -675,6 +675,12 @@ class Optimizer(backend.OptimizerHooks, keras.optimizers.Optimizer):
         grads_and_vars = list(grads_and_vars)
         if not grads_and_vars:
             return self._iterations
+        for pair in grads_and_vars:
+            if not isinstance(pair, (tuple, list)) or len(pair) != 2:
+                raise TypeError(
+                    "apply_gradients() takes an iterable of (gradient, "
+                    f"variable) pairs. Received the item {pair!r} of type "
+                    f"{type(pair).__name__}.")
         if aggregate and not skip_gradients_aggregation:
             grads_and_vars = self.aggregate_gradients(grads_and_vars)
         grads = [g for g, _ in grads_and_vars]

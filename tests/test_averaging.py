@@ -434,7 +434,7 @@ def test_ema_momentum_set_after_construction(explicit):
             opt.ema_momentum = 1.5
 
 
-def test_averaging_api_errors_name_the_slot_and_the_model():
+def test_averaging_api_errors_name_what_was_received():
     w = keras.Variable(np.ones((2,), "float32"))
     opt = keras_ema_opt.SGD(averaging=keras_ema_opt.PowerEMA())
     opt.build([w])
@@ -447,6 +447,8 @@ def test_averaging_api_errors_name_the_slot_and_the_model():
             call()
     with pytest.raises(InvalidArgumentError, match="Received: model='x'"):
         opt.swap_average("x")
+    with pytest.raises(TypeError, match=r"\(gradient, variable\) pairs"):
+        opt.apply_gradients([keras.ops.ones((2,))])
 
 
 def test_overwrite_frequency_writes_debiased_averages():
