@@ -414,6 +414,9 @@ def compile_arguments(record, custom_objects=None):
 
 
 def _loss(loss, custom_objects, record):
+    if isinstance(loss, dict) and loss.get("class_name") == "function":
+        # tf_keras .keras files: a function, by name.
+        return _loss(str(loss.get("config")), custom_objects, record)
     if isinstance(loss, dict) and "class_name" in loss:
         config = dict(loss.get("config") or {})
         config.pop("fn", None)  # Keras 2's LossFunctionWrapper subclasses
@@ -485,6 +488,8 @@ def _metric(value, custom_objects, dropped):
         with scope:
             if value["class_name"] == "MeanMetricWrapper":
                 fn = config.pop("fn", None)
+                if isinstance(fn, dict):  # tf_keras .keras: a serialized fn
+                    fn = fn.get("config")
                 fn = _custom(str(fn), custom_objects) or getattr(
                     keras.metrics, str(fn), None) or getattr(
                         keras.losses, str(fn), None)

@@ -3,7 +3,8 @@ no optimizer state, saved by real tf_keras, with tf_keras' own results of
 the next training step (the oracle of ``tests/test_migration_compile.py``).
 
 Usage: make_compile_artifacts.py OUT_DIR NAME... ; NAME a key of CASES.
-Writes OUT_DIR/<name>/{model.h5, savedmodel/, ckpt/, expected.json}:
+Writes OUT_DIR/<name>/{model.h5, savedmodel/, model.keras, ckpt/,
+expected.json}:
 ``expected.json`` holds tf_keras' ``train_on_batch`` logs (loss and
 metrics) of the batch in it, taken right after saving, and the weights
 after that step.
@@ -99,6 +100,8 @@ def make(out, name):
         model.save(os.path.join(folder, "no_optimizer"), save_format="tf",
                    include_optimizer=False)
     else:
+        if name != "mixed":
+            model.save(os.path.join(folder, "model.keras"))
         # As TensorFlow's checkpoint guide writes them: the model under
         # a key of the user's choosing.
         tf.train.Checkpoint(step=tf.Variable(7), optimizer=model.optimizer,
