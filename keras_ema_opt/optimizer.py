@@ -342,22 +342,25 @@ class Optimizer(backend.OptimizerHooks, keras.optimizers.Optimizer):
     @property
     def ema_momentum(self):
         """Keras 2's EMA momentum. Set after construction, it changes the
-        momentum of the EMA ``use_ema=True`` made, from the next step on,
-        as Keras reads the attribute at each update (an ``averaging=``
-        strategy passed in is left as given)."""
+        momentum of the EMA ``use_ema=True`` made (an ``averaging=``
+        strategy passed in is left as given), as in Keras: from the next
+        eager ``apply_gradients`` on, and in ``fit()`` from the next time
+        it traces its step (a step already traced keeps the value it read,
+        in Keras' own optimizers too)."""
         return self.__dict__.get("_ema_momentum")
 
     @ema_momentum.setter
     def ema_momentum(self, value):
-        self.__dict__["_ema_momentum"] = value
         averaging = self.__dict__.get("averaging")
-        if averaging is None or not self.__dict__.get(
-                "_ema_follows_momentum"):
-            return
-        _validate_ema(True, value, None)
-        averaging.momentum = float(value)
-        # Compiled eager steps read the momentum when traced.
-        self.__dict__.pop("_keo_compiled", None)
+        follows = averaging is not None and self.__dict__.get(
+            "_ema_follows_momentum")
+        if follows:
+            _validate_ema(True, value, None)
+        self.__dict__["_ema_momentum"] = value
+        if follows:
+            averaging.momentum = float(value)
+            # Compiled eager steps read the momentum when traced.
+            self.__dict__.pop("_keo_compiled", None)
 
     def get_config(self):
         config = super().get_config()

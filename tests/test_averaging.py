@@ -432,6 +432,9 @@ def test_ema_momentum_set_after_construction(explicit):
     if not explicit:
         with pytest.raises(InvalidArgumentError, match="ema_momentum=1.5"):
             opt.ema_momentum = 1.5
+        # A refused value leaves the optimizer as it was.
+        assert opt.ema_momentum == 0.5
+        assert opt.get_config()["ema_momentum"] == 0.5
 
 
 def test_averaging_api_errors_name_what_was_received():

@@ -28,7 +28,8 @@ from legacy_custom_objects import my_loss
 pytest.importorskip("tf_keras")
 
 SCRIPT = os.path.join(ROOT, "tests", "scripts", "make_compile_artifacts.py")
-CASES = ["loss_objects", "metric_objects", "custom_loss", "fresh", "mixed"]
+CASES = ["loss_objects", "metric_objects", "custom_loss", "metric_names",
+         "fresh", "mixed"]
 CUSTOM = {"my_loss": my_loss}
 
 
@@ -66,7 +67,7 @@ def _continues_like_tf_keras(model, expected, weights_after=True):
 
 @pytest.mark.parametrize("fmt", ["model.h5", "savedmodel"])
 @pytest.mark.parametrize("case", ["loss_objects", "metric_objects",
-                                  "custom_loss"])
+                                  "custom_loss", "metric_names"])
 def test_loss_and_metrics_continue_like_tf_keras(artifacts, tmp_path, case,
                                                  fmt):
     # Keras 2 loss objects carry `reduction="auto"` and `fn`, which Keras 3
@@ -79,7 +80,7 @@ def test_loss_and_metrics_continue_like_tf_keras(artifacts, tmp_path, case,
 
 
 @pytest.mark.parametrize("case", ["loss_objects", "metric_objects",
-                                  "custom_loss"])
+                                  "custom_loss", "metric_names"])
 def test_keras_file_of_tf_keras_compiles_the_same_loss_and_metrics(
         artifacts, case):
     # A tf_keras .keras file keeps its compile config in Keras 2's newer
@@ -149,6 +150,13 @@ def test_model_saved_without_optimizer_is_written_uncompiled(
     reference = keras_ema_opt.load_legacy(os.path.join(folder, "model.h5"))
     for got, want in zip(model.weights, reference.weights):
         np.testing.assert_array_equal(to_numpy(got), to_numpy(want))
+
+
+def test_uncompiled_tf_keras_keras_file_is_not_compiled(artifacts):
+    path = os.path.join(artifacts, "fresh", "uncompiled.keras")
+    with pytest.warns(UserWarning, match="not compiled"):
+        model = keras_ema_opt.load_legacy(path)
+    assert not model.compiled
 
 
 def test_loss_scale_is_kept_from_a_savedmodel_and_named_when_lost(

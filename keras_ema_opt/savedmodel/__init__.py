@@ -258,6 +258,11 @@ def _load_keras_zip(record, custom_objects, safe_mode, model):
         warnings.warn(message, stacklevel=4)
     if getattr(model, "compiled", False) and model.optimizer is not None:
         return model
+    if record.training_config is None:
+        warnings.warn(
+            f"{record.path} holds no compile config (an uncompiled model): "
+            "the Keras 3 model is not compiled.", stacklevel=4)
+        return model
     config = (record.training_config or {}).get("optimizer")
     optimizer = (configs.from_legacy_config(config, custom_objects)
                  if config else "rmsprop")

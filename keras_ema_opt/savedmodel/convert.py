@@ -467,34 +467,48 @@ def _metrics(value, custom_objects, dropped):
     return _metric(value, custom_objects, dropped)
 
 
+# Names Keras 3's compile resolves by the model's outputs and labels,
+# which `keras.metrics.get` does not know.
+_OUTPUT_RESOLVED = ("accuracy", "acc", "crossentropy", "ce")
+
+
 def _metric(value, custom_objects, dropped):
-    scope = keras.saving.custom_object_scope(custom_objects or {})
+    if value is None:
+        return None  # an output compiled without metrics
+    if isinstance(value, dict) and value.get("class_name") == "function":
+        # tf_keras .keras files: a metric function, by name.
+        name = str(value.get("config"))
+        fn = _metric_function(name, custom_objects)
+        if fn is None:
+            dropped.append(name)
+        return fn
     if isinstance(value, str):
         found = _custom(value, custom_objects)
         if found is not None:
             return found
+        if value.lower() in _OUTPUT_RESOLVED:
+            return value
         try:
             keras.metrics.get(value)
         except (TypeError, ValueError):
             dropped.append(value)
             return None
         return value  # Keras 3 resolves names by the model's outputs
-    if not isinstance(value, dict) or "class_name" not in value:
+    if not isinstance(value, dict) or "class_name" not in value or (
+            not isinstance(value.get("config") or {}, dict)):
         dropped.append(repr(value))
         return None
     config = dict(value.get("config") or {})
     name = config.get("name") or value["class_name"]
     try:
-        with scope:
+        with keras.saving.custom_object_scope(custom_objects or {}):
             if value["class_name"] == "MeanMetricWrapper":
                 fn = config.pop("fn", None)
                 if isinstance(fn, dict):  # tf_keras .keras: a serialized fn
                     fn = fn.get("config")
-                fn = _custom(str(fn), custom_objects) or getattr(
-                    keras.metrics, str(fn), None) or getattr(
-                        keras.losses, str(fn), None)
-                if not callable(fn) or isinstance(fn, type):
-                    raise ValueError(f"no metric function {fn!r}")
+                fn = _metric_function(str(fn), custom_objects)
+                if fn is None:
+                    raise ValueError("no metric function")
                 return keras.metrics.MeanMetricWrapper(
                     fn, name=name, dtype=config.get("dtype"))
             return keras.metrics.deserialize(dict(value, config=config),
@@ -502,6 +516,15 @@ def _metric(value, custom_objects, dropped):
     except (TypeError, ValueError, AttributeError):
         dropped.append(name)
         return None
+
+
+def _metric_function(name, custom_objects):
+    """The metric or loss function called ``name``, or None."""
+    fn = _custom(name, custom_objects) or getattr(
+        keras.metrics, name, None) or getattr(keras.losses, name, None)
+    if not callable(fn) or isinstance(fn, type):
+        return None
+    return fn
 
 
 def _custom(name, custom_objects):

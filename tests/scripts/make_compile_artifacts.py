@@ -42,6 +42,22 @@ def _classifier():
                     rng.randint(0, 3, 8).astype("int32")) for _ in range(3)]
 
 
+def _metric_names():
+    # As users spell them: a name Keras 3's compile resolves by the
+    # outputs ("acc") and a metric function, kept so in .keras files.
+    # Six classes: the function's default k is 5 (torch's topk needs k
+    # classes at least).
+    model = k2.Sequential([k2.Input((4,)), k2.layers.Dense(6, name="d")])
+    rng = np.random.RandomState(3)
+    batches = [(rng.randn(8, 4).astype("float32"),
+                rng.randint(0, 6, 8).astype("int32")) for _ in range(3)]
+    model.compile(
+        optimizer=k2.optimizers.Adam(0.01),
+        loss=k2.losses.SparseCategoricalCrossentropy(from_logits=True),
+        metrics=["acc", k2.metrics.sparse_top_k_categorical_accuracy])
+    return model, batches
+
+
 def _regression(loss, metrics, optimizer=None):
     def make():
         model = k2.Sequential([k2.Input((4,)), k2.layers.Dense(2, name="d")])
@@ -73,6 +89,7 @@ CASES = {
         lambda: k2.losses.MeanSquaredError(),
         lambda: [k2.metrics.MeanAbsoluteError(), "mse"]),
     "custom_loss": _regression(lambda: my_loss, lambda: ["mae"]),
+    "metric_names": _metric_names,
     # Compiled, saved before the first step: no optimizer state anywhere.
     "fresh": _regression(lambda: "mse", lambda: None,
                          lambda: k2.optimizers.legacy.SGD(0.05,
@@ -99,6 +116,8 @@ def make(out, name):
                    include_optimizer=False)
         model.save(os.path.join(folder, "no_optimizer"), save_format="tf",
                    include_optimizer=False)
+        k2.models.clone_model(model).save(
+            os.path.join(folder, "uncompiled.keras"))
     else:
         if name != "mixed":
             model.save(os.path.join(folder, "model.keras"))
