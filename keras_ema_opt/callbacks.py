@@ -122,6 +122,11 @@ class SwapAverage(keras.callbacks.Callback):
         return bool(getattr(self, "_fitting", False))
 
     def on_train_begin(self, logs=None):
+        # A swap left open by a fit(), evaluate() or predict() that ended in
+        # an exception (Keras calls no `*_end` then): put the raw weights
+        # back before training on them, and close it, so that this fit()'s
+        # end does not restore it.
+        self._swap_out()
         self._fitting = True
         self._swap_out()
 
@@ -184,7 +189,15 @@ class AveragedCheckpoint(keras.callbacks.Callback):
         if (epoch + 1) % self.save_freq:
             return
         optimizer = _averaging_optimizer(self.model, "AveragedCheckpoint")
-        path = self.filepath.format(epoch=epoch + 1, **(logs or {}))
+        try:
+            path = self.filepath.format(epoch=epoch + 1, **(logs or {}))
+        except (KeyError, IndexError, ValueError) as e:
+            raise InvalidArgumentError(
+                f"AveragedCheckpoint cannot format its filepath "
+                f"{self.filepath!r} at epoch {epoch + 1} ({type(e).__name__}:"
+                f" {e}): it takes `epoch` and this epoch's logs, "
+                f"{sorted(logs or {})} (validation logs exist only on the "
+                "epochs that validate).") from e
         # Every process swaps (on JAX, placing a global array is a
         # collective step); only the chief writes.
         chief = backend.is_chief()
@@ -242,9 +255,19 @@ class PowerEMASnapshots(keras.callbacks.Callback):
     def on_epoch_begin(self, epoch, logs=None):
         self._epoch_start = self._micro
 
+    def on_epoch_end(self, epoch, logs=None):
+        # The count itself (the variables are current at an epoch's end):
+        # batch numbers can run past it (below).
+        inner = getattr(self._optimizer, "inner_optimizer", self._optimizer)
+        self._micro = int(keras.ops.convert_to_numpy(inner._iterations))
+
     def on_train_batch_end(self, batch, logs=None):
         # `batch` is the last step of the call (several under
-        # steps_per_execution), counted from the start of the epoch.
+        # steps_per_execution), counted from the start of the epoch; Keras
+        # reports the last, shorter call of an epoch as a full one.
+        steps = (self.params or {}).get("steps")
+        if steps:
+            batch = min(batch, steps - 1)
         self._micro = self._epoch_start + batch + 1
         every = self._optimizer.averaging.snapshot_every
         due = self._real_steps(self._micro) // every

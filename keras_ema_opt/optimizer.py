@@ -867,7 +867,8 @@ class Optimizer(backend.OptimizerHooks, keras.optimizers.Optimizer):
         if averager is None:
             return
         keep = self.averaging.finalize
-        averager.settle_swaps(keep_averages=keep)
+        averager.settle_swaps(keep_averages=keep,
+                              step=_count(self._iterations))
         if keep:
             # `fit()` passes the trainable variables: averaged statistics
             # (`include_non_trainable`) go in with their weights.
@@ -1080,3 +1081,7 @@ def _defaults(signature):
         for p in signature.parameters.values()
         if p.default is not inspect.Parameter.empty
     }
+
+
+def _count(variable):
+    return int(keras.ops.convert_to_numpy(variable))

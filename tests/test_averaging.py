@@ -258,6 +258,69 @@ def test_swap_average_callback_under_a_mixed_precision_policy():
     assert any(not np.array_equal(to_numpy(v), to_numpy(inner.average_of(v)))
                for v in model.trainable_variables)  # restored afterwards
 
+class _Interrupt(keras.callbacks.Callback):
+    """Raises during validation, as a Ctrl-C or a failing metric would."""
+
+    def on_test_batch_end(self, batch, logs=None):
+        raise KeyboardInterrupt("during validation")
+
+
+def test_validation_ended_by_an_exception_loses_no_training():
+    # Keras calls no on_test_end then: the swap SwapAverage opened stays
+    # open, the model holding the averages. A later fit() must neither
+    # restore that swap's older raw weights at its end (it dropped three
+    # epochs of training) nor, with the same callback, train on averages.
+    x, y = _data()
+    for again in (False, True):
+        model = _model()
+        opt = keras_ema_opt.Adam(
+            0.05, averaging=keras_ema_opt.EMA(0.9, finalize=False))
+        model.compile(optimizer=opt, loss="mse")
+        swap = SwapAverage()
+
+        class Raw(keras.callbacks.Callback):
+            def on_train_batch_end(self, batch, logs=None):
+                self.raw = [to_numpy(v).copy() for v in self.model.weights]
+
+            def on_train_begin(self, logs=None):
+                self.start = [to_numpy(v).copy()
+                              for v in self.model.weights]
+
+        raw = Raw()
+        with pytest.raises(KeyboardInterrupt):
+            model.fit(x, y, validation_data=(x, y), verbose=0,
+                      callbacks=[raw, swap, _Interrupt()])
+        before = raw.raw
+        if again:
+            # The same callback closes its swap as the next fit() begins.
+            second = Raw()
+            model.fit(x, y, epochs=3, verbose=0, callbacks=[swap, second])
+            for a, b in zip(second.start, before):
+                np.testing.assert_array_equal(a, b)
+        elif opt._averager.swaps:  # left open (JAX's evaluate closes it)
+            with pytest.warns(UserWarning, match="was dropped"):
+                model.fit(x, y, epochs=3, verbose=0)
+        else:
+            model.fit(x, y, epochs=3, verbose=0)
+        assert not opt._averager.swaps
+        after = [to_numpy(v) for v in model.weights]
+        assert not all(np.array_equal(a, b) for a, b in zip(after, before))
+
+
+def test_averaged_checkpoint_names_a_filepath_it_cannot_format(tmp_path):
+    x, y = _data()
+    model = _model()
+    model.compile(optimizer=keras_ema_opt.Adam(0.05, use_ema=True),
+                  loss="mse")
+    callback = AveragedCheckpoint(str(tmp_path / "avg-{epoch}-{val_loss:.3f}"
+                                      ".keras"))
+    with pytest.raises(InvalidArgumentError,
+                       match=r"cannot format.*'val_loss'.*\['loss'\]"):
+        model.fit(x, y, validation_data=(x, y), validation_freq=2, epochs=2,
+                  verbose=0, callbacks=[callback])
+    assert os.listdir(tmp_path) == []
+
+
 def test_swap_on_epoch_lets_model_checkpoint_save_averages(tmp_path):
     path = tmp_path / "best.weights.h5"
     x, y = _data()

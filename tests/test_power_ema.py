@@ -5,6 +5,7 @@ import keras
 import numpy as np
 import pytest
 from conftest import BACKEND
+from conftest import only_on
 from conftest import to_numpy
 
 import keras_ema_opt
@@ -180,6 +181,27 @@ def test_snapshot_steps_with_steps_per_execution_and_loss_scaling(
     assert len(steps) == 6
     assert steps == sorted(set(steps))
     assert all(s % 4 < steps_per_execution for s in steps)
+
+
+@only_on("jax", "tensorflow")  # Keras runs steps_per_execution=1 on torch
+def test_snapshot_steps_when_epochs_end_in_a_shorter_call(tmp_path):
+    # 10 batches an epoch in calls of 3: each epoch ends with a call of 1,
+    # which Keras reports as a call of 3. A snapshot falls at the end of
+    # the first call passing each multiple of 4, epoch after epoch.
+    x = np.random.default_rng(0).normal(size=(40, 3)).astype("float32")
+    y = x.sum(axis=1, keepdims=True)
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
+    averaging = keras_ema_opt.PowerEMA(snapshot_every=4,
+                                       snapshot_dir=tmp_path)
+    model.compile(optimizer=keras_ema_opt.SGD(0.01, averaging=averaging),
+                  loss="mse", steps_per_execution=3)
+    model.fit(x, y, batch_size=4, epochs=3, verbose=0,
+              callbacks=[PowerEMASnapshots()])
+    ends = [10 * e + k for e in range(3) for k in (3, 6, 9, 10)]
+    expected = [min(end for end in ends if end >= m) for m in range(4, 31, 4)]
+    steps = [int(p.name[6:15]) for p in sorted(tmp_path.iterdir())]
+    assert steps == expected
+    assert int(to_numpy(model.optimizer.iterations)) == 30
 
 
 def test_power_ema_errors():

@@ -354,10 +354,25 @@ class Averager:
                 self.swaps.remove(swap)
                 swap.restore()
 
-    def settle_swaps(self, keep_averages):
-        """Close open swaps at the end of training (``finalize``)."""
+    def settle_swaps(self, keep_averages, step=None):
+        """Close open swaps at the end of training (``finalize``).
+
+        A swap opened before ``step`` (the optimizer's micro-step count) has
+        seen training since: an evaluate or predict that ended in an
+        exception left it open. Its raw values are older than the trained
+        weights, so it is dropped, not restored, with a warning."""
         while self.swaps:
             swap = self.swaps.pop()
+            if step is not None and swap.step is not None and (
+                    swap.step < step):
+                warnings.warn(
+                    "A swap of averaged weights left open since optimizer "
+                    f"step {swap.step} (an evaluate or predict that ended "
+                    "in an exception) was dropped at step "
+                    f"{step}: the model was trained from the averages it "
+                    "held. Its older raw weights are not restored.",
+                    stacklevel=4)
+                continue
             if not keep_averages:
                 swap.restore()
 
@@ -373,8 +388,12 @@ class _Swap:
             if i is not None and averager.slots[i] is not None:
                 self.pairs.append((var, i))
         self.raw = []
+        self.step = None
 
     def enter(self):
+        iterations = getattr(self.optimizer, "_iterations", None)
+        if iterations is not None:
+            self.step = int(ops.convert_to_numpy(iterations))
         self.raw = [ops.copy(var.value) for var, _ in self.pairs]
         for var, i in self.pairs:
             backend.assign_copy(
