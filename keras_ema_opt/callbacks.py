@@ -126,7 +126,6 @@ class SwapAverage(keras.callbacks.Callback):
         # an exception (Keras calls no `*_end` then): put the raw weights
         # back before training on them, and close it, so that this fit()'s
         # end does not restore it.
-        self._swap_out()
         self._fitting = True
         self._swap_out()
 
