@@ -105,10 +105,23 @@ def run_demo(output_dir, epochs=12, seed=0, plot=True):
     Returns:
         ``{"backend", "final": {name: accuracy}, "curves": {...},
         "files": {...}, "seconds"}``.
+
+    Raises:
+        InvalidArgumentError: ``epochs`` is not a positive integer, ``seed``
+            not a non-negative one, ``output_dir`` is an existing file, or
+            scikit-learn (or matplotlib, with ``plot``) is missing; all
+            checked before anything is trained or written.
+
+    Example:
+
+    >>> result = run_demo("demo-out", epochs=2, plot=False)  # doctest: +SKIP
+    >>> sorted(result["files"])  # doctest: +SKIP
+    ['model', 'results']
     """
+    _check_arguments(output_dir, epochs, seed, plot)
     start = time.monotonic()
-    os.makedirs(output_dir, exist_ok=True)
     data = load_digits(seed)
+    os.makedirs(output_dir, exist_ok=True)
     steps = int(np.ceil(len(data[0][0]) / 32)) * epochs
     snapshots = tempfile.mkdtemp(prefix="phema-", dir=output_dir)
     names = [f"{run} {kind}" for run in ("EMA", "SWA", "PowerEMA")
@@ -158,23 +171,69 @@ def run_demo(output_dir, epochs=12, seed=0, plot=True):
         "seconds": round(time.monotonic() - start, 1),
     }
     files["results"] = os.path.join(output_dir, "results.json")
-    with open(files["results"], "w") as f:
-        json.dump(result, f, indent=2)
+    _write_atomically(
+        files["results"], ".json",
+        lambda tmp: _write_text(tmp, json.dumps(result, indent=2)))
     return result
 
 
-def _save_atomically(model, output_dir):
-    path = os.path.join(output_dir, "averaged.keras")
-    fd, tmp = tempfile.mkstemp(suffix=".keras", dir=output_dir)
+def _is_integer(value):
+    return isinstance(value, (int, np.integer)) and not isinstance(
+        value, bool)
+
+
+def _check_arguments(output_dir, epochs, seed, plot):
+    if not _is_integer(epochs) or epochs < 1:
+        raise InvalidArgumentError(
+            f"epochs must be a positive integer; received {epochs!r}")
+    if not _is_integer(seed) or seed < 0:
+        raise InvalidArgumentError(
+            f"seed must be a non-negative integer; received {seed!r}")
+    if not isinstance(output_dir, (str, os.PathLike)):
+        raise InvalidArgumentError(
+            "output_dir must be a folder path (str or os.PathLike); "
+            f"received {type(output_dir).__name__}")
+    if os.path.exists(output_dir) and not os.path.isdir(output_dir):
+        raise InvalidArgumentError(
+            f"output_dir {os.fspath(output_dir)!r} is an existing file; the "
+            "demo writes a folder there: give a new path or a folder")
+    if plot:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError as e:
+            raise InvalidArgumentError(
+                "The demo's plot needs matplotlib: pip install "
+                "'keras-ema-opt[demo]', or run without the plot "
+                "(--no-plot, plot=False)") from e
+
+
+def _write_text(path, text):
+    with open(path, "w") as f:
+        f.write(text)
+
+
+def _write_atomically(path, suffix, write, verify=None):
+    """``write(tmp)`` to a temporary file beside ``path``, ``verify(tmp)``,
+    then rename it to ``path``: an interrupted run leaves no partial file
+    under the final name."""
+    fd, tmp = tempfile.mkstemp(suffix=suffix, dir=os.path.dirname(path))
     os.close(fd)
     try:
-        model.save(tmp)
-        keras.saving.load_model(tmp)  # verify before it takes the name
+        write(tmp)
+        if verify is not None:
+            verify(tmp)
         os.replace(tmp, path)
     finally:
         if os.path.exists(tmp):
             os.remove(tmp)
     return path
+
+
+def _save_atomically(model, output_dir):
+    # Verified by loading it back before it takes the name.
+    return _write_atomically(
+        os.path.join(output_dir, "averaged.keras"), ".keras", model.save,
+        keras.saving.load_model)
 
 
 def _plot(ema, swa, posthoc, best_sigma, output_dir):
@@ -197,9 +256,10 @@ def _plot(ema, swa, posthoc, best_sigma, output_dir):
     ax.legend(loc="lower right")
     fig.tight_layout()
     path = os.path.join(output_dir, "demo.png")
-    fig.savefig(path)
-    plt.close(fig)
-    return path
+    try:
+        return _write_atomically(path, ".png", fig.savefig)
+    finally:
+        plt.close(fig)
 
 
 def format_table(result):

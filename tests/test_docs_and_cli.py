@@ -121,3 +121,47 @@ def test_demo_runs_and_writes_its_files(tmp_path, capsys):
     model = keras.saving.load_model(tmp_path / "averaged.keras")
     assert type(model.optimizer) is keras_ema_opt.Adam
     assert not [p for p in tmp_path.iterdir() if p.name.startswith("tmp")]
+
+
+@pytest.mark.parametrize("flag, value, named", [
+    ("--epochs", "0", "epochs must be a positive integer; received 0"),
+    ("--epochs", "-3", "epochs must be a positive integer; received -3"),
+    ("--seed", "-1", "seed must be a non-negative integer; received -1"),
+])
+def test_demo_refuses_bad_numbers_before_training(tmp_path, capsys, flag,
+                                                  value, named):
+    output = tmp_path / "out"
+    assert cli.main(["demo", "--output", str(output), flag, value]) == 1
+    assert named in capsys.readouterr().err
+    assert not output.exists()  # nothing trained, nothing written
+
+
+def test_demo_refuses_an_existing_file_as_its_folder(tmp_path, capsys):
+    target = tmp_path / "results.txt"
+    target.write_text("keep me")
+    assert cli.main(["demo", "--output", str(target), "--epochs", "1"]) == 1
+    err = capsys.readouterr().err
+    assert str(target) in err and "existing file" in err
+    assert target.read_text() == "keep me"
+
+
+def test_demo_without_matplotlib_says_so_before_training(
+        tmp_path, capsys, monkeypatch):
+    # `None` in sys.modules makes `import matplotlib` raise ImportError, as
+    # on a machine without it.
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    output = tmp_path / "out"
+    assert cli.main(["demo", "--output", str(output), "--epochs", "1"]) == 1
+    err = capsys.readouterr().err
+    assert "matplotlib" in err and "--no-plot" in err
+    assert not output.exists()
+
+
+def test_run_demo_refuses_a_non_integer_epochs(tmp_path):
+    from keras_ema_opt import demo
+    from keras_ema_opt.errors import InvalidArgumentError
+
+    for bad in (2.5, True, "3"):
+        with pytest.raises(InvalidArgumentError, match="received"):
+            demo.run_demo(tmp_path / "out", epochs=bad, plot=False)
+    assert not (tmp_path / "out").exists()
