@@ -93,12 +93,22 @@ class _FusedAdamStep:
             return super()._parallel_update_step(grads, variables,
                                                  learning_rate)
         beta_1, beta_2 = float(self.beta_1), float(self.beta_2)
-        alpha = _step_size(self.iterations, learning_rate, beta_1, beta_2)
+        # In the dtype of the first variable, as Keras: float64 for a
+        # float64 model (in float32 `1 - b2^t` is 1e-5 off at the first
+        # step), float32 for 16- and 32-bit ones.
+        dtype = torch.float64 if plan.variables[0]._value.dtype == (
+            torch.float64) else torch.float32
+        alpha = _step_size(self.iterations, learning_rate, beta_1, beta_2,
+                           dtype)
         averager = getattr(self, "_averager", None)
         weights = averager.fold_weights(self) if plan.averaged else None
         for group in plan.groups:
+            # The kernel walks each tensor's storage in order: a gradient
+            # laid out otherwise (a Conv kernel's from `torch.autograd.grad`
+            # is permuted, a broadcast one has stride 0) is made dense.
             torch._fused_adam_(
-                group.params, [grads[j] for j in group.indices],
+                group.params,
+                [_dense(grads[j]) for j in group.indices],
                 group.m, group.v, group.v_hat, group.steps,
                 lr=alpha.to(group.device),
                 beta1=beta_1, beta2=beta_2, weight_decay=0.0,
@@ -136,7 +146,11 @@ class _Group:
                  for v in members]
         count = max((len(s) for s in slots if s), default=0)
         self.averages = [[] for _ in range(count)]
+        seen = set()
         for var, var_slots in zip(members, slots):
+            if id(var) in seen:
+                continue  # listed twice in the step: averaged once
+            seen.add(id(var))
             if not var_slots or any(s._value.dtype != self.dtype
                                     for s in var_slots):
                 continue  # averaged by the engine (another dtype)
@@ -164,6 +178,11 @@ class _Plan:
             "cpu", "cuda") for device, dtype in groups)
         self.groups = [_Group(optimizer, self.variables, indices, averager)
                        for indices in groups.values()]
+        # The kernel walks storage in order: a variable (or slot) laid out
+        # otherwise, e.g. `keras.Variable(x.T)`, takes Keras' own step.
+        self.fusable = self.fusable and all(
+            t.is_contiguous() for g in self.groups
+            for t in (*g.params, *g.m, *g.v, *g.v_hat))
         self.averaged = [v for g in self.groups for v in g.averaged]
 
     def current(self):
@@ -214,17 +233,21 @@ def _compiling():
     return bool(compiler is not None and compiler.is_compiling())
 
 
-def _step_size(iterations, learning_rate, beta_1, beta_2):
+def _dense(tensor):
+    return tensor if tensor.is_contiguous() else tensor.contiguous()
+
+
+def _step_size(iterations, learning_rate, beta_1, beta_2,
+               dtype=torch.float32):
     """Keras' ``alpha = lr sqrt(1 - b2^t) / (1 - b1^t)`` for torch's
-    kernel, by the torch ops of Keras' own step in float32, as a 0-dim
+    kernel, by the torch ops of Keras' own step in ``dtype``, as a 0-dim
     tensor on the step count's device. For float32 variables it is
     Keras' value bit for bit (numpy's float32 power is one ulp off
     torch's at some steps). Keras computes it in the dtype of the first
-    variable: float32 here whatever the dtypes (in bfloat16 ``beta_2 =
-    0.999`` rounds to 1 and Keras' step size to 0). Nothing is read back
+    variable: here float64 where that is float64, else float32 (in
+    bfloat16 ``beta_2 = 0.999`` rounds to 1 and Keras' step size to 0). Nothing is read back
     to the host: on CUDA that would wait at every step for the work
     queued before it."""
-    f32 = torch.float32
     # A variable, or under gradient accumulation Keras' count of real
     # steps (``_iterations // steps``), a tensor.
     step = getattr(iterations, "value", iterations)
@@ -233,10 +256,10 @@ def _step_size(iterations, learning_rate, beta_1, beta_2):
     lr = learning_rate.value if hasattr(learning_rate, "value") else (
         learning_rate)
     if isinstance(lr, torch.Tensor):
-        lr = lr.to(device=step.device, dtype=f32)
+        lr = lr.to(device=step.device, dtype=dtype)
     else:
-        lr = torch.full((), float(lr), dtype=f32, device=step.device)
-    t = (step + 1).to(f32)
+        lr = torch.full((), float(lr), dtype=dtype, device=step.device)
+    t = (step + 1).to(dtype)
     beta_1_power = torch.pow(beta_1, t)
     beta_2_power = torch.pow(beta_2, t)
     return lr * torch.sqrt(1 - beta_2_power) / (1 - beta_1_power)
@@ -260,7 +283,16 @@ _FUSED = {"Adam": _FusedAdamStep, "AdamW": _FusedAdamStep}
 
 
 class OptimizerHooks:
-    """Nothing to override on PyTorch for the Keras 2 contract."""
+    """Overrides of Keras' ``TorchOptimizer``."""
+
+    def _apply_weight_decay(self, variables):
+        # Keras' torch step hands `torch._foreach_mul_` the variables to
+        # decay, which raises on an empty list: every variable excluded
+        # (`exclude_from_weight_decay`) is a step without decay.
+        if self.weight_decay is None or not any(
+                self._use_weight_decay(v) for v in variables):
+            return
+        super()._apply_weight_decay(variables)
 
 
 def resolve_jit_compile(requested):
