@@ -14,6 +14,7 @@ its error messages. Update rules stay Keras 3's own.
 
 import inspect
 import numbers
+import re
 import sys
 import warnings
 import weakref
@@ -54,6 +55,71 @@ def _is_real_number(value):
         np.issubdtype(value.dtype, np.floating)
         or np.issubdtype(value.dtype, np.integer)
     )
+
+
+def _as_real_number(value):
+    """A scalar tensor or variable as a float (Keras 2 took
+    ``tf.constant(0.1)`` and ``tf.Variable(0.1)`` learning rates, as their
+    initial value), other values as given."""
+    if _is_real_number(value) or isinstance(value, (str, bytes)) or not (
+        hasattr(value, "__array__") or isinstance(value, keras.Variable)
+    ):
+        return value
+    try:
+        array = np.asarray(value)
+    except Exception:  # a symbolic tensor: left to Keras
+        return value
+    if array.ndim == 0 and (np.issubdtype(array.dtype, np.floating)
+                            or np.issubdtype(array.dtype, np.integer)):
+        return float(array)
+    return value
+
+
+def _is_keras2_schedule(value):
+    """A Keras 2 (tf_keras) ``LearningRateSchedule`` object: called with
+    the step, where Keras 3 calls a plain callable with no argument."""
+    return not isinstance(
+        value, keras.optimizers.schedules.LearningRateSchedule
+    ) and any(c.__name__ == "LearningRateSchedule"
+              for c in type(value).__mro__[1:])
+
+
+def _learning_rate(value):
+    """``learning_rate`` as Keras 3 takes it: scalar tensors and variables
+    as floats, a Keras 2 built-in schedule rebuilt as Keras 3's."""
+    value = _as_real_number(value)
+    if _is_real_number(value):
+        return float(value)
+    if not _is_keras2_schedule(value):
+        return value
+    name = type(value).__name__
+    if not hasattr(keras.optimizers.schedules, name):
+        raise InvalidArgumentError(
+            f"learning_rate is a Keras 2 schedule of the class {name} "
+            f"({type(value).__module__}), which Keras 3 cannot call (it "
+            "calls a plain callable with no argument). Accepted: a float, "
+            "a keras.optimizers.schedules.LearningRateSchedule (Keras 2's "
+            "built-in schedules are converted), or a callable with no "
+            "arguments."
+        )
+    from keras_ema_opt.compat import configs
+
+    return configs._schedule({"class_name": name,
+                              "config": configs._plain(value.get_config())})
+
+
+def _without_unnamed_schedule(config):
+    """A config whose serialized schedule has ``name: None`` (Keras 2's
+    default) without it: Keras 3 builds such a schedule, then fails at
+    its first step."""
+    rate = config.get("learning_rate")
+    if isinstance(rate, dict) and isinstance(rate.get("config"), dict) and (
+        "name" in rate["config"] and rate["config"]["name"] is None
+    ):
+        inner = dict(rate["config"])
+        inner.pop("name")
+        config["learning_rate"] = {**rate, "config": inner}
+    return config
 
 
 def _validate_ema(use_ema, ema_momentum, ema_overwrite_frequency):
@@ -104,6 +170,66 @@ def _take_lr_alias(arguments, cls_name):
         stacklevel=4,
     )
     arguments["learning_rate"] = lr
+
+
+def _variable_names(variable):
+    """The names ``exclude_from_weight_decay(var_names=)`` patterns match,
+    the same on every backend: Keras 3's (``kernel``) and Keras 2's, the
+    path with its output index (``dense/kernel:0``). Keras' TensorFlow
+    step passes the ``tf.Variable`` (named the Keras 2 way), the others
+    the Keras variable."""
+    if isinstance(variable, keras.Variable):
+        return variable.name, f"{variable.path}:0"
+    name = getattr(variable, "name", None)
+    if not isinstance(name, str):
+        return ()
+    return name.rsplit("/", 1)[-1].split(":")[0], name
+
+
+def _filter_empty_gradients(grads_and_vars):
+    """Keras 2's handling of ``None`` gradients: those pairs are dropped
+    with a warning naming their variables; all ``None`` is an error.
+    NumPy gradients become tensors of their variable's dtype (Keras 2 took
+    them on every backend)."""
+    kept, empty = [], []
+    for grad, var in grads_and_vars:
+        if grad is None:
+            empty.append(var)
+            continue
+        if isinstance(grad, (np.ndarray, np.generic)):
+            grad = keras.ops.convert_to_tensor(grad, dtype=var.dtype)
+        kept.append((grad, var))
+    names = [getattr(v, "path", None) or getattr(v, "name", repr(v))
+             for v in empty]
+    if not kept:
+        raise InvalidArgumentError(
+            f"No gradients provided for any variable: {names}. Received "
+            f"{len(names)} (gradient, variable) pairs, every gradient None."
+        )
+    if empty:
+        warnings.warn(
+            f"Gradients do not exist for variables {names} when minimizing "
+            "the loss. If you're using `model.compile()`, did you forget to "
+            "provide a `loss` argument?",
+            stacklevel=3,
+        )
+    return kept
+
+
+def _take_mesh(arguments, cls_name):
+    """Keras 2's DTensor ``mesh`` argument: ``None`` (its default) is
+    accepted; a mesh has no meaning in Keras 3, whose distribution API
+    takes its place."""
+    if "mesh" not in arguments:
+        return
+    mesh = arguments.pop("mesh")
+    if mesh is not None:
+        raise InvalidArgumentError(
+            f"{cls_name} received mesh={mesh!r}: Keras 2's DTensor mesh has "
+            "no Keras 3 counterpart on an optimizer. Accepted: mesh=None; "
+            "distribute with keras.distribution (JAX) or a tf.distribute "
+            "strategy instead (docs/distributed-*.md)."
+        )
 
 
 def _check_known(cls_name, arguments, accepted):
@@ -295,7 +421,13 @@ class Optimizer(backend.OptimizerHooks, keras.optimizers.Optimizer):
         arguments = dict(arguments)
         for key in _DROPPED_ARGS:
             arguments.pop(key, None)
+        _take_mesh(arguments, cls_name)
         _take_lr_alias(arguments, cls_name)
+        if arguments.get("ema_overwrite_frequency") is not None and not (
+            isinstance(arguments["ema_overwrite_frequency"], bool)
+        ) and arguments["ema_overwrite_frequency"] == 0:
+            # Keras 2 overwrote only on a truthy frequency: 0 is never.
+            arguments["ema_overwrite_frequency"] = None
         jit_compile = arguments.pop("jit_compile", True)
         averaging = arguments.pop("averaging", None)
         follows = averaging is None  # an EMA from use_ema, if any
@@ -321,8 +453,9 @@ class Optimizer(backend.OptimizerHooks, keras.optimizers.Optimizer):
                 arguments["ema_overwrite_frequency"]
             )
         clipping = {k: arguments.pop(k, None) for k in _CLIP_ARGS}
-        if _is_real_number(arguments.get("learning_rate")):
-            arguments["learning_rate"] = float(arguments["learning_rate"])
+        if "learning_rate" in arguments:
+            arguments["learning_rate"] = _learning_rate(
+                arguments["learning_rate"])
         keras_init(self, **arguments)
         # Keras 3 refuses clipnorm with clipvalue; Keras 2 let clipnorm win.
         for key, clip in clipping.items():
@@ -382,7 +515,9 @@ class Optimizer(backend.OptimizerHooks, keras.optimizers.Optimizer):
         Keras 2 configs work too: ``is_legacy_optimizer`` is dropped and
         serialized learning-rate schedules are rebuilt.
         """
-        return super().from_config(dict(config), custom_objects=custom_objects)
+        return super().from_config(
+            _without_unnamed_schedule(dict(config)),
+            custom_objects=custom_objects)
 
     # ------------------------------------------------------------------
     # iterations, learning rate
@@ -449,8 +584,7 @@ class Optimizer(backend.OptimizerHooks, keras.optimizers.Optimizer):
 
     @learning_rate.setter
     def learning_rate(self, learning_rate):
-        if _is_real_number(learning_rate):
-            learning_rate = float(learning_rate)
+        learning_rate = _learning_rate(learning_rate)
         keras.optimizers.Optimizer.learning_rate.fset(self, learning_rate)
 
     def _get_current_learning_rate(self):
@@ -648,6 +782,45 @@ class Optimizer(backend.OptimizerHooks, keras.optimizers.Optimizer):
             return list(self.gradient_aggregator(list(grads_and_vars)))
         return backend.aggregate_gradients(self, grads_and_vars)
 
+    def exclude_from_weight_decay(self, var_list=None, var_names=None):
+        """Exclude variables from weight decay; before the optimizer is
+        built, as in Keras 2 (after it, ``ValueError``).
+
+        Args:
+            var_list: Variables to exclude.
+            var_names: Regular expressions: a variable is excluded when one
+                matches (``re.search``) its Keras 3 name (``"kernel"``) or
+                its Keras 2 name, the path with ``":0"``
+                (``"dense/kernel:0"``), on every backend.
+
+        Example:
+
+        ```python
+        import keras
+        import keras_ema_opt
+
+        optimizer = keras_ema_opt.AdamW(weight_decay=0.01)
+        optimizer.exclude_from_weight_decay(var_names=["bias", "norm"])
+        ```
+        """
+        if self.built:
+            raise InvalidArgumentError(
+                "`exclude_from_weight_decay()` can only be configured "
+                "before the optimizer is built."
+            )
+        super().exclude_from_weight_decay(var_list=var_list,
+                                          var_names=var_names)
+
+    def _use_weight_decay(self, variable):
+        if not super()._use_weight_decay(variable):
+            return False
+        pattern = getattr(self, "_exclude_from_weight_decay_pattern", None)
+        if pattern is None or not any(
+                re.search(pattern, name) for name in _variable_names(variable)):
+            return True
+        self._exclude_from_weight_decay_cache[self._var_key(variable)] = False
+        return False
+
     def apply_gradients(
         self,
         grads_and_vars,
@@ -684,6 +857,7 @@ class Optimizer(backend.OptimizerHooks, keras.optimizers.Optimizer):
                     "apply_gradients() takes an iterable of (gradient, "
                     f"variable) pairs. Received the item {pair!r} of type "
                     f"{type(pair).__name__}.")
+        grads_and_vars = _filter_empty_gradients(grads_and_vars)
         if aggregate and not skip_gradients_aggregation:
             grads_and_vars = self.aggregate_gradients(grads_and_vars)
         grads = [g for g, _ in grads_and_vars]

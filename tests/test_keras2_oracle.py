@@ -2,6 +2,7 @@
 weights and averages; same error texts."""
 
 import re
+import warnings
 
 import keras
 import numpy as np
@@ -157,3 +158,192 @@ def test_sparse_duplicates_equal_tf_keras(name):
         ours.apply_gradients([(sparse, ours_v)])
         theirs.apply_gradients([(sparse, theirs_v)])
     np.testing.assert_allclose(to_numpy(ours_v), theirs_v.numpy(), rtol=1e-6)
+
+
+# -- the Keras 2 contract where Keras 3 differs (from review) ----------------
+
+
+def _train_both(ours, theirs, init, steps=3, grads=None):
+    """The same gradients through ours and tf_keras; both weights out."""
+    ours_v = [keras.Variable(w) for w in init]
+    theirs_v = [tf.Variable(w) for w in init]
+    grads = grads or _grads(steps, [w.shape for w in init])
+    for step in grads:
+        ours.apply_gradients(
+            zip([keras.ops.convert_to_tensor(g) for g in step], ours_v))
+        theirs.apply_gradients(zip([tf.constant(g) for g in step], theirs_v))
+    return [to_numpy(v) for v in ours_v], [v.numpy() for v in theirs_v]
+
+
+INIT = [np.array([[1.0, -2.0], [0.5, 3.0]], "float32"),
+        np.array([0.25, -0.75], "float32")]
+
+
+def test_a_none_gradient_is_dropped_with_keras2_warning():
+    def step(module, make, tensor):
+        a, b = make([1.0]), make([2.0])
+        opt = module.SGD(0.1)
+        opt.apply_gradients([(None, a), (tensor([1.0]), b)])
+        return [float(np.asarray(v.numpy())[0]) for v in (a, b)], int(
+            np.asarray(opt.iterations.numpy()))
+
+    theirs = step(tf_keras.optimizers, tf.Variable, tf.constant)
+    with pytest.warns(UserWarning, match="Gradients do not exist for "
+                      r"variables \['variable'\] when minimizing the loss"):
+        ours = step(keras_ema_opt, keras.Variable,
+                    keras.ops.convert_to_tensor)
+    assert ours == theirs == ([1.0, pytest.approx(1.9)], 1)
+
+
+def test_minimize_with_an_unused_variable_equals_tf_keras():
+    def run(module, make):
+        w, unused = make(3.0), make(1.0)
+        opt = module.SGD(0.1)
+        # Its gradient is None on TensorFlow (a warning), zeros elsewhere.
+        opt.minimize(lambda: w * w, [w, unused])
+        return float(np.asarray(w.numpy())), float(np.asarray(unused.numpy()))
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        ours = run(keras_ema_opt, keras.Variable)
+    assert ours == pytest.approx(run(tf_keras.optimizers, tf.Variable))
+
+
+def test_only_none_gradients_is_keras2_error():
+    their_type, theirs = _message(lambda: tf_keras.optimizers.SGD(
+        ).apply_gradients([(None, tf.Variable(1.0))]))
+    our_type, ours = _message(lambda: keras_ema_opt.SGD(
+        ).apply_gradients([(None, keras.Variable(1.0))]))
+    assert issubclass(our_type, their_type)
+    assert ours.startswith("No gradients provided for any variable: ")
+    assert theirs.startswith("No gradients provided for any variable: ")
+
+
+def test_numpy_gradients_equal_tf_keras():
+    ours_v = [keras.Variable(w) for w in INIT]
+    theirs_v = [tf.Variable(w) for w in INIT]
+    ours, theirs = keras_ema_opt.Adam(0.1), tf_keras.optimizers.Adam(0.1)
+    for step in _grads(3, [w.shape for w in INIT]):
+        # float64 NumPy gradients for float32 variables, as Keras 2 took.
+        ours.apply_gradients(zip([g.astype("float64") for g in step],
+                                 ours_v))
+        theirs.apply_gradients(zip(step, theirs_v))
+    for a, b in zip(ours_v, theirs_v):
+        np.testing.assert_allclose(to_numpy(a), b.numpy(), rtol=1e-6)
+
+
+def test_a_tf_keras_config_with_a_schedule_trains_as_tf_keras():
+    schedule = tf_keras.optimizers.schedules.ExponentialDecay(0.1, 2, 0.5)
+    theirs = tf_keras.optimizers.Adam(schedule, jit_compile=False)
+    config = theirs.get_config()
+    assert config["learning_rate"]["config"]["name"] is None  # the trap
+    ours = keras_ema_opt.Adam.from_config(config)
+    for a, b in zip(*_train_both(ours, theirs, INIT, steps=4)):
+        np.testing.assert_allclose(a, b, rtol=1e-6)
+
+
+def test_a_tf_keras_schedule_object_is_converted():
+    def schedule():
+        return tf_keras.optimizers.schedules.PiecewiseConstantDecay(
+            [1, 2], [0.1, 0.05, 0.01])
+
+    ours = keras_ema_opt.SGD(schedule(), momentum=0.5)
+    theirs = tf_keras.optimizers.SGD(schedule(), momentum=0.5,
+                                     jit_compile=False)
+    for a, b in zip(*_train_both(ours, theirs, INIT, steps=4)):
+        np.testing.assert_allclose(a, b, rtol=1e-6)
+    assert ours.get_config()["learning_rate"]["class_name"] == (
+        "PiecewiseConstantDecay")
+    ours.learning_rate = schedule()  # the setter converts too
+    assert isinstance(ours._learning_rate,
+                      keras.optimizers.schedules.PiecewiseConstantDecay)
+
+
+def test_a_custom_tf_keras_schedule_is_refused_by_name():
+    class Halving(tf_keras.optimizers.schedules.LearningRateSchedule):
+        def __call__(self, step):
+            return 0.1 * 0.5 ** tf.cast(step, tf.float32)
+
+    with pytest.raises(keras_ema_opt.errors.InvalidArgumentError,
+                       match="Keras 2 schedule of the class Halving"):
+        keras_ema_opt.SGD(Halving())
+
+
+@pytest.mark.parametrize("rate", ["tf_constant", "tf_variable",
+                                  "keras_tensor", "keras_variable",
+                                  "numpy_float32"])
+def test_a_scalar_tensor_learning_rate_equals_tf_keras(rate):
+    make = {
+        "tf_constant": lambda: tf.constant(0.1),
+        "tf_variable": lambda: tf.Variable(0.1),
+        "keras_tensor": lambda: keras.ops.convert_to_tensor(0.1),
+        "keras_variable": lambda: keras.Variable(0.1),
+        "numpy_float32": lambda: np.float32(0.1),
+    }[rate]
+    ours = keras_ema_opt.SGD(make(), momentum=0.9)
+    theirs = tf_keras.optimizers.SGD(tf.constant(0.1), momentum=0.9,
+                                     jit_compile=False)
+    for a, b in zip(*_train_both(ours, theirs, INIT)):
+        np.testing.assert_allclose(a, b, rtol=1e-6)
+
+
+def test_mesh_none_is_accepted_and_a_mesh_refused():
+    tf_keras.optimizers.Adam(mesh=None)
+    keras_ema_opt.Adam(mesh=None)
+    with pytest.raises(keras_ema_opt.errors.InvalidArgumentError,
+                       match="received mesh='a mesh'.*Accepted: mesh=None"):
+        keras_ema_opt.Adam(mesh="a mesh")
+
+
+def test_ema_overwrite_frequency_zero_never_overwrites_as_tf_keras():
+    theirs = tf_keras.optimizers.SGD(0.1, use_ema=True, ema_momentum=0.5,
+                                     ema_overwrite_frequency=0,
+                                     jit_compile=False)
+    ours = keras_ema_opt.SGD.from_config(theirs.get_config())
+    assert ours.ema_overwrite_frequency is None
+    for a, b in zip(*_train_both(ours, theirs, INIT, steps=4)):
+        np.testing.assert_allclose(a, b, rtol=1e-6)
+    for a, b in zip(ours._model_variables_moving_average,
+                    theirs._model_variables_moving_average):
+        np.testing.assert_allclose(to_numpy(a), b.numpy(), rtol=1e-6)
+
+
+@pytest.mark.parametrize("names", [["my_dense"], ["my_dense/bias"],
+                                   ["bias"], ["kernel:0"], ["^kernel$"]])
+def test_exclude_from_weight_decay_names_match_as_tf_keras(names):
+    def run(module, optimizers):
+        model = module.Sequential([
+            module.Input((2,)),
+            module.layers.Dense(2, name="my_dense",
+                                kernel_initializer="ones",
+                                bias_initializer="ones")])
+        opt = optimizers.SGD(learning_rate=0.1, weight_decay=0.5)
+        opt.exclude_from_weight_decay(var_names=names)
+        variables = model.trainable_variables
+        opt.apply_gradients(
+            zip([np.zeros(v.shape, "float32") for v in variables], variables))
+        return [np.asarray(v.numpy()) for v in variables]
+
+    theirs = run(tf_keras, tf_keras.optimizers)
+    ours = run(keras, keras_ema_opt)
+    if names == ["^kernel$"]:
+        # Keras 3's name ("kernel") matches too; Keras 2's ("my_dense/
+        # kernel:0") did not: excluded in ours, a superset of both.
+        theirs[0] = np.ones((2, 2), "float32")
+    for a, b in zip(ours, theirs):
+        np.testing.assert_allclose(a, b, rtol=1e-6)
+
+
+def test_exclude_from_weight_decay_after_build_raises_as_tf_keras():
+    def after_build(module, var):
+        opt = module.SGD(0.1, weight_decay=0.5)
+        opt.build([var])
+        opt.exclude_from_weight_decay(var_list=[var])
+
+    their_type, theirs = _message(
+        lambda: after_build(tf_keras.optimizers, tf.Variable([1.0])))
+    our_type, ours = _message(
+        lambda: after_build(keras_ema_opt, keras.Variable([1.0])))
+    assert issubclass(our_type, their_type)
+    # Keras 2's text but for its typo ("configued").
+    assert ours == theirs.replace("configued", "configured")
