@@ -19,6 +19,7 @@ import keras
 import numpy as np
 
 import keras_ema_opt
+from keras_ema_opt import _io
 from keras_ema_opt.averaging import assign_by_path
 from keras_ema_opt.callbacks import PowerEMASnapshots
 from keras_ema_opt.errors import InvalidArgumentError
@@ -216,16 +217,11 @@ def _write_atomically(path, suffix, write, verify=None):
     """``write(tmp)`` to a temporary file beside ``path``, ``verify(tmp)``,
     then rename it to ``path``: an interrupted run leaves no partial file
     under the final name."""
-    fd, tmp = tempfile.mkstemp(suffix=suffix, dir=os.path.dirname(path))
-    os.close(fd)
-    try:
+    with _io.temporary_beside(path, suffix) as tmp:
         write(tmp)
         if verify is not None:
             verify(tmp)
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
+        _io.publish(tmp, path)
     return path
 
 

@@ -30,8 +30,8 @@ assert keras_ema_opt.distributed.is_chief() and os.path.exists(path)
 """
 
 import os
-import tempfile
 
+from keras_ema_opt import _io
 from keras_ema_opt import backend
 
 
@@ -90,14 +90,8 @@ def save_on_chief(model, filepath):
     filepath = os.fspath(filepath)
     folder = os.path.dirname(os.path.abspath(filepath))
     os.makedirs(folder, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(suffix=".keras", dir=folder,
-                               prefix=".saving-")
-    os.close(fd)
-    try:
+    with _io.temporary_beside(filepath, ".keras", ".saving-") as tmp:
         with backend.chief_only_scope():
             model.save(tmp)
-        os.replace(tmp, filepath)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
+        _io.publish(tmp, filepath)
     return filepath

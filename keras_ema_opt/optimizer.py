@@ -783,8 +783,12 @@ class Optimizer(backend.OptimizerHooks, keras.optimizers.Optimizer):
         return backend.aggregate_gradients(self, grads_and_vars)
 
     def exclude_from_weight_decay(self, var_list=None, var_names=None):
-        """Exclude variables from weight decay; before the optimizer is
-        built, as in Keras 2 (after it, ``ValueError``).
+        """Exclude variables from weight decay, before the optimizer's first
+        step (Keras 2: before it is built). A built optimizer that has not
+        stepped yet takes them: one ``load_model`` restored, whose
+        exclusions are not saved (neither Keras 2 nor Keras 3 saves them).
+        After a step, ``ValueError``: the steps compiled already keep the
+        exclusions they read.
 
         Args:
             var_list: Variables to exclude.
@@ -803,10 +807,13 @@ class Optimizer(backend.OptimizerHooks, keras.optimizers.Optimizer):
         optimizer.exclude_from_weight_decay(var_names=["bias", "norm"])
         ```
         """
-        if self.built:
+        if self.built and getattr(
+                self, "_exclude_from_weight_decay_cache", None):
             raise InvalidArgumentError(
                 "`exclude_from_weight_decay()` can only be configured "
-                "before the optimizer is built."
+                "before the optimizer is built. (Here: before its first "
+                "step; this optimizer has stepped with its exclusions, "
+                "and the steps compiled keep them.)"
             )
         super().exclude_from_weight_decay(var_list=var_list,
                                           var_names=var_names)

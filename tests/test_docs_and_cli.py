@@ -1,5 +1,6 @@
 """Documentation examples run, and the command line answers."""
 
+import os
 import re
 import subprocess
 import textwrap
@@ -121,6 +122,30 @@ def test_demo_runs_and_writes_its_files(tmp_path, capsys):
     model = keras.saving.load_model(tmp_path / "averaged.keras")
     assert type(model.optimizer) is keras_ema_opt.Adam
     assert not [p for p in tmp_path.iterdir() if p.name.startswith("tmp")]
+    # Written through temporary files, with the mode a new file gets
+    # (mkstemp's 0600 was kept by the rename).
+    umask = os.umask(0)
+    os.umask(umask)
+    for name in ("demo.png", "averaged.keras", "results.json"):
+        assert (tmp_path / name).stat().st_mode & 0o777 == 0o666 & ~umask
+
+
+def test_saved_files_get_a_new_files_mode(tmp_path):
+    from keras_ema_opt.averaging import posthoc
+
+    umask = os.umask(0o022)
+    try:
+        model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+        paths = [
+            keras_ema_opt.distributed.save_on_chief(
+                model, str(tmp_path / "model.keras")),
+            posthoc.write_snapshot(str(tmp_path / "snapshots"), 3, [6.9],
+                                   1, {"0/w": np.ones(2, "float32")}),
+        ]
+    finally:
+        os.umask(umask)
+    for path in paths:
+        assert os.stat(path).st_mode & 0o777 == 0o644, path
 
 
 @pytest.mark.parametrize("flag, value, named", [

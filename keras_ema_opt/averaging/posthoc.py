@@ -18,10 +18,10 @@ the closed form ``<p_a, p_b> = (g_a + 1)(g_b + 1)(t_a / t_b)^e /
 import glob
 import json
 import os
-import tempfile
 
 import numpy as np
 
+from keras_ema_opt import _io
 from keras_ema_opt.errors import InvalidArgumentError
 
 SNAPSHOT_PATTERN = "phema-{step:09d}.npz"
@@ -67,16 +67,11 @@ def write_snapshot(directory, step, gammas, every, arrays):
     path = os.path.join(directory, SNAPSHOT_PATTERN.format(step=int(step)))
     meta = {"step": int(step), "gammas": [float(g) for g in gammas],
             "every": int(every)}
-    fd, tmp = tempfile.mkstemp(suffix=".npz", dir=directory)
-    os.close(fd)
-    try:
+    with _io.temporary_beside(path, ".npz") as tmp:
         with open(tmp, "wb") as f:
             np.savez(f, __meta__=np.frombuffer(
                 json.dumps(meta).encode(), dtype=np.uint8), **arrays)
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
+        _io.publish(tmp, path)
     return path
 
 

@@ -110,7 +110,7 @@ class _FusedAdamStep:
                 group.params,
                 [_dense(grads[j]) for j in group.indices],
                 group.m, group.v, group.v_hat, group.steps,
-                lr=alpha.to(group.device),
+                lr=_kernel_rate(alpha, group.device),
                 beta1=beta_1, beta2=beta_2, weight_decay=0.0,
                 eps=float(self.epsilon), amsgrad=bool(self.amsgrad),
                 maximize=False)
@@ -231,6 +231,14 @@ def keras_device():
 def _compiling():
     compiler = getattr(torch, "compiler", None)
     return bool(compiler is not None and compiler.is_compiling())
+
+
+def _kernel_rate(alpha, device):
+    # torch's CPU kernel reads a double learning rate; its CUDA kernel
+    # reads a float (a float64 tensor there is a dtype error).
+    if device.type != "cpu":
+        return alpha.to(device=device, dtype=torch.float32)
+    return alpha.to(device)
 
 
 def _dense(tensor):

@@ -162,7 +162,12 @@ def _schedule(config):
 
 
 def _plain(value):
-    """NumPy scalars and arrays -> Python numbers, recursively."""
+    """NumPy scalars and arrays, and tensors (a tf_keras schedule's
+    ``get_config()`` may hold ``tf.constant``s) -> Python numbers and
+    NumPy arrays, recursively."""
+    if not isinstance(value, (np.ndarray, np.generic, str, bytes)) and (
+            hasattr(value, "__array__") and hasattr(value, "shape")):
+        value = np.asarray(value)
     if isinstance(value, dict):
         return {k: _plain(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):

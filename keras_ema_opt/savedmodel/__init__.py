@@ -37,6 +37,7 @@ import warnings
 
 import numpy as np
 
+from keras_ema_opt import _io
 from keras_ema_opt.errors import InvalidArgumentError
 from keras_ema_opt.errors import LegacyStateError
 from keras_ema_opt.savedmodel import convert
@@ -406,10 +407,7 @@ def migrate(src, dst, custom_objects=None, safe_mode=True, model=None,
                 raise LegacyStateError(
                     f"{src} -> {dst}: {e} No file was written.") from e
             _verify_source(record, mapping, placed, migrated, reloaded)
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)
-        os.replace(tmp, dst)
+        _io.publish(tmp, dst)
     finally:
         if os.path.exists(tmp):
             os.remove(tmp)
