@@ -16,6 +16,7 @@ import inspect
 import numbers
 import re
 import sys
+import threading
 import warnings
 import weakref
 
@@ -55,6 +56,10 @@ def _is_real_number(value):
         np.issubdtype(value.dtype, np.floating)
         or np.issubdtype(value.dtype, np.integer)
     )
+
+
+# Per thread: whether Keras' own step is running under ours.
+_KERAS_STEP = threading.local()
 
 
 def _as_real_number(value):
@@ -1018,18 +1023,32 @@ class Optimizer(backend.OptimizerHooks, keras.optimizers.Optimizer):
         if self._averager is not None:
             self._averager.update(self)
 
+    @property
+    def ema_overwrite_frequency(self):
+        """Keras 2's ``ema_overwrite_frequency`` (``None``: never)."""
+        if getattr(_KERAS_STEP, "hide_overwrite", False):
+            return None
+        return self.__dict__.get("_ema_overwrite_frequency")
+
+    @ema_overwrite_frequency.setter
+    def ema_overwrite_frequency(self, value):
+        self.__dict__["_ema_overwrite_frequency"] = value
+
     def _backend_apply_gradients(self, grads, trainable_variables):
         frequency = self.ema_overwrite_frequency
         if not frequency or self._averager is None:
             return super()._backend_apply_gradients(grads, trainable_variables)
         # Keras' own overwrite multiplies `None` averages (variables with
-        # `overwrite_with_gradient`, defect L5) and runs on micro-steps:
-        # ours skips them and counts real steps.
-        self.ema_overwrite_frequency = None
+        # `overwrite_with_gradient`, defect L5), runs on micro-steps, and
+        # under tf.distribute is a `cond` around a merge_call, which fails:
+        # ours skips them and counts real steps. Keras' step is shown no
+        # frequency in this thread only (tf.distribute runs each replica's
+        # step in a thread of its own, on this one optimizer).
+        _KERAS_STEP.hide_overwrite = True
         try:
             super()._backend_apply_gradients(grads, trainable_variables)
         finally:
-            self.ema_overwrite_frequency = frequency
+            _KERAS_STEP.hide_overwrite = False
         self._averager.overwrite(self, frequency)
 
     def finalize_variable_values(self, var_list):

@@ -38,6 +38,25 @@ def test_mirrored_strategy_sums_replicas_like_tf_keras():
     assert result["aggregate"] == [[3.0, 3.0]] * 2
 
 
+@only_on("tensorflow")
+def test_mirrored_fit_overwrites_with_the_average_as_one_device():
+    # Keras' step was shown no frequency by setting the optimizer's
+    # attribute for the step; MirroredStrategy runs each replica's step in
+    # a thread of its own, so a replica could read it unset and run Keras'
+    # own overwrite, a `cond` around a merge_call: fit() failed.
+    import numpy as np
+
+    (result,) = _run("tf_mirrored_overwrite.py", backend="tensorflow")
+    mirrored, single = result["mirrored"], result["single"]
+    assert mirrored["iterations"] == single["iterations"] == 6
+    for kind in ("weights", "averages"):
+        for a, b in zip(mirrored[kind], single[kind]):
+            np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    # Step 6 overwrote the weights with their averages.
+    for a, b in zip(mirrored["weights"], mirrored["averages"]):
+        np.testing.assert_allclose(a, b, rtol=1e-6)
+
+
 @only_on("torch")
 def test_torch_distributed_averages_ranks(tmp_path):
     _run("torch_gloo_aggregation.py", str(_free_port()), str(tmp_path),
