@@ -922,7 +922,13 @@ class Optimizer(backend.OptimizerHooks, keras.optimizers.Optimizer):
             self._build_state(variables)
 
     def _build_state(self, variables):
-        backend.sync_initial_state(self, variables)
+        # The model's own non-trainable float variables (a frozen layer's
+        # weights, normalization statistics) start the same everywhere
+        # too, as DDP broadcasts a module's parameters and buffers.
+        model = self._model_building()
+        frozen = [v for v in (model.non_trainable_variables if model else ())
+                  if keras.backend.is_float_dtype(v.dtype)]
+        backend.sync_initial_state(self, list(variables) + frozen)
         averager = None
         if self.averaging is not None:
             extras, model = (), None
@@ -992,6 +998,21 @@ class Optimizer(backend.OptimizerHooks, keras.optimizers.Optimizer):
         ``track_non_trainable``, or the model building this optimizer
         (``compile_from_config``, ``fit``): found on the call stack by
         identity of its optimizer, never guessed."""
+        model = self._model_building()
+        if model is not None:
+            return model
+        raise InvalidArgumentError(
+            "`include_non_trainable=True` needs the model whose non-trainable "
+            "variables are averaged: compile the model with this optimizer "
+            "and let `fit()` build it, or call "
+            "`optimizer.track_non_trainable(model)` before the first step. "
+            f"Received: the optimizer {self.name!r} built on its own."
+        )
+
+    def _model_building(self):
+        """The model of ``track_non_trainable``, or the model building this
+        optimizer, found on the call stack by identity of its optimizer;
+        None for an optimizer built on its own."""
         ref = self.__dict__.get("_tracked_model")
         if ref is not None and ref() is not None:
             return ref()
@@ -1005,13 +1026,7 @@ class Optimizer(backend.OptimizerHooks, keras.optimizers.Optimizer):
                 ) is self:
                     return candidate
             frame = frame.f_back
-        raise InvalidArgumentError(
-            "`include_non_trainable=True` needs the model whose non-trainable "
-            "variables are averaged: compile the model with this optimizer "
-            "and let `fit()` build it, or call "
-            "`optimizer.track_non_trainable(model)` before the first step. "
-            f"Received: the optimizer {self.name!r} built on its own."
-        )
+        return None
 
     def _update_model_variables_moving_average(self, trainable_variables):
         """Called by Keras after each step: one update of the averages.

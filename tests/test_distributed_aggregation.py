@@ -70,3 +70,25 @@ def test_torch_distributed_averages_ranks(tmp_path):
         assert r["default_input"] == [float(r["rank"] + 1)] * 2
         # Skipped: each rank applies its own gradient.
         assert r["skip"] == [-(r["rank"] + 1.0)] * 2
+
+
+@only_on("torch")
+def test_torch_ddp_starts_frozen_weights_from_rank_0(tmp_path):
+    # Each rank builds from its own seed; DDP broadcasts a module's
+    # parameters and buffers, trainable or not. Only the trainable ones
+    # were: the frozen layer stayed per rank (1.77 apart), and the
+    # gradients averaged came from different feature extractors.
+    import numpy as np
+
+    _run("torch_gloo_frozen.py", str(_free_port()), str(tmp_path),
+         backend="torch")
+    _run("torch_gloo_frozen.py", "single", str(tmp_path), backend="torch")
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text())
+             for r in (0, 1)]
+    single = json.loads((tmp_path / "single.json").read_text())
+    assert "sequential/frozen/kernel" in single
+    for path, value in single.items():
+        for rank, result in enumerate(ranks):
+            np.testing.assert_allclose(result[path], value, rtol=1e-5,
+                                       atol=1e-6,
+                                       err_msg=f"{path}, rank {rank}")
