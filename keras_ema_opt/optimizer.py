@@ -952,7 +952,8 @@ class Optimizer(backend.OptimizerHooks, keras.optimizers.Optimizer):
                 self._model_variables_moving_average = averager.primary()
 
     def track_non_trainable(self, model):
-        """Name the model whose non-trainable variables are averaged.
+        """Name the model whose non-trainable variables are averaged (and,
+        under ``torch.distributed``, broadcast from rank 0 at build).
 
         With ``include_non_trainable=True`` the averages of the model's
         non-trainable float variables (BatchNorm statistics) are created

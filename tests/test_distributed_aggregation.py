@@ -92,3 +92,31 @@ def test_torch_ddp_starts_frozen_weights_from_rank_0(tmp_path):
             np.testing.assert_allclose(result[path], value, rtol=1e-5,
                                        atol=1e-6,
                                        err_msg=f"{path}, rank {rank}")
+
+
+@only_on("tensorflow")
+@pytest.mark.parametrize("cluster,task", [
+    ({"chief": ["h:1"], "worker": ["h:2"], "evaluator": ["h:3"]},
+     ("chief", 0)),
+    ({"chief": ["h:1"], "worker": ["h:2"], "evaluator": ["h:3"]},
+     ("worker", 0)),
+    ({"chief": ["h:1"], "worker": ["h:2"], "evaluator": ["h:3"]},
+     ("evaluator", 0)),
+    ({"worker": ["h:1", "h:2"]}, ("worker", 0)),
+    ({"worker": ["h:1", "h:2"]}, ("worker", 1)),
+    ({"worker": ["h:1", "h:2"], "evaluator": ["h:3"]}, ("evaluator", 0)),
+])
+def test_tf_chief_is_tensorflows(monkeypatch, cluster, task):
+    # The oracle: TensorFlow's own rule (a sidecar evaluator writes too).
+    import tensorflow as tf
+    from tensorflow.python.distribute import multi_worker_util
+
+    import keras_ema_opt
+
+    monkeypatch.setenv("TF_CONFIG", json.dumps(
+        {"cluster": cluster, "task": {"type": task[0], "index": task[1]}}))
+    resolver = tf.distribute.cluster_resolver.TFConfigClusterResolver()
+    expected = multi_worker_util.is_chief(resolver.cluster_spec(),
+                                          resolver.task_type,
+                                          resolver.task_id)
+    assert keras_ema_opt.distributed.is_chief() is expected

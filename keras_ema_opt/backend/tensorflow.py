@@ -213,8 +213,10 @@ def current_value(variable):
 
 def is_chief():
     """The chief of a multi-worker run (the ``chief`` task, else worker 0,
-    as Keras 2's ``_is_chief``), read from the current strategy's cluster
-    resolver, else from ``TF_CONFIG``; always, outside a multi-worker run."""
+    as Keras 2's ``_is_chief``; an ``evaluator``, outside the training
+    cluster, writes its own files, as TensorFlow's ``multi_worker_util.
+    is_chief`` says), read from the current strategy's cluster resolver,
+    else from ``TF_CONFIG``; always, outside a multi-worker run."""
     resolver = getattr(tf.distribute.get_strategy(), "cluster_resolver",
                        None)
     if resolver is None or resolver.task_type is None:
@@ -223,7 +225,7 @@ def is_chief():
     if sum(len(tasks) for tasks in cluster.values()) <= 1:
         return True
     task_type, task_id = resolver.task_type, resolver.task_id
-    if task_type in (None, "chief"):
+    if task_type in (None, "chief", "evaluator"):
         return True
     return task_type == "worker" and task_id == 0 and "chief" not in cluster
 
