@@ -120,3 +120,28 @@ def test_tf_chief_is_tensorflows(monkeypatch, cluster, task):
                                           resolver.task_type,
                                           resolver.task_id)
     assert keras_ema_opt.distributed.is_chief() is expected
+
+
+@only_on("torch")
+def test_torch_ddp_loss_scale_skips_together_as_grad_scaler(tmp_path):
+    # Only rank 1's scaled gradients overflow at first. Keras'
+    # LossScaleOptimizer checked each rank's own gradients before ours
+    # all-reduced them: rank 1 skipped while rank 0 waited in the
+    # all-reduce (a hang, or a crash when rank 1 left). The peer: DDP with
+    # torch.amp.GradScaler under the same scale rule, side by side.
+    import numpy as np
+
+    _run("torch_gloo_loss_scale.py", str(_free_port()), str(tmp_path),
+         backend="torch")
+    _run("torch_gloo_loss_scale.py", "peer", str(_free_port()),
+         str(tmp_path), backend="torch")
+    ours = [json.loads((tmp_path / f"rank{r}.json").read_text())
+            for r in (0, 1)]
+    peer = json.loads((tmp_path / "peer0.json").read_text())
+    assert 0 < peer["iterations"] < 12  # some steps skipped, some taken
+    for result in ours:
+        assert result["iterations"] == peer["iterations"]
+        assert result["scale"] == peer["scale"]
+        for a, b in zip(result["weights"], peer["weights"]):
+            np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-9)
+    assert ours[0]["averages"] == ours[1]["averages"]

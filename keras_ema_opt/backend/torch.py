@@ -8,7 +8,6 @@ import torch
 from keras_ema_opt.backend import _common
 
 colocate_with = _common.no_placement
-on_create = _common.on_create
 build_scope = _common.build_scope
 chief_only_scope = _common.chief_only_scope
 assign_copy = _common.assign_copy
@@ -400,6 +399,48 @@ def step_gradients(optimizer, grads):
                                      False):
         return grads
     return _all_reduce_mean(grads)
+
+
+def on_create(optimizer):
+    """An optimizer made on PyTorch: a ``LossScaleOptimizer`` around one of
+    ours then decides finiteness for all ranks (below)."""
+    del optimizer
+    _fix_loss_scale_check()
+
+
+_LOSS_SCALE_FIXED = []
+
+
+def _fix_loss_scale_check():
+    """Keras' ``LossScaleOptimizer`` checks each rank's own gradients for
+    ``inf``/``nan`` before its inner optimizer (ours) all-reduces them:
+    with an overflow on one rank only, that rank skipped the step while
+    the others waited in the all-reduce (a hang, or collectives paired
+    with the next step's). Under ``torch.distributed`` the check around
+    one of our optimizers is agreed over the ranks (finite only where
+    every rank is), as DDP, which all-reduces first, has every rank see
+    the ``inf``. Wrapped once; elsewhere Keras' check runs unchanged."""
+    if _LOSS_SCALE_FIXED:
+        return
+    _LOSS_SCALE_FIXED.append(True)
+    import keras
+
+    from keras_ema_opt.optimizer import Optimizer
+
+    cls = keras.optimizers.LossScaleOptimizer
+    keras_check = cls.check_finite
+
+    @functools.wraps(keras_check)
+    def check_finite(self, grads):
+        finite = keras_check(self, grads)
+        if _world_size() == 1 or not isinstance(
+                getattr(self, "inner_optimizer", None), Optimizer):
+            return finite
+        flag = torch.as_tensor(finite).to(torch.int32).clone()
+        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MIN)
+        return flag.bool()
+
+    cls.check_finite = check_finite
 
 
 def sync_initial_state(optimizer, variables):
