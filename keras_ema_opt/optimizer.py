@@ -115,15 +115,12 @@ def _learning_rate(value):
 
 def _without_unnamed_schedule(config):
     """A config whose serialized schedule has ``name: None`` (Keras 2's
-    default) without it: Keras 3 builds such a schedule, then fails at
-    its first step."""
+    default) without it (``compat.configs.without_unnamed``)."""
     rate = config.get("learning_rate")
-    if isinstance(rate, dict) and isinstance(rate.get("config"), dict) and (
-        "name" in rate["config"] and rate["config"]["name"] is None
-    ):
-        inner = dict(rate["config"])
-        inner.pop("name")
-        config["learning_rate"] = {**rate, "config": inner}
+    if isinstance(rate, dict):
+        from keras_ema_opt.compat import configs
+
+        config["learning_rate"] = configs.without_unnamed(rate)
     return config
 
 
@@ -824,14 +821,19 @@ class Optimizer(backend.OptimizerHooks, keras.optimizers.Optimizer):
                                           var_names=var_names)
 
     def _use_weight_decay(self, variable):
-        if not super()._use_weight_decay(variable):
-            return False
+        # Keras' decision, with the patterns matched against both names
+        # too, decided once per variable in Keras' own cache.
+        key = self._var_key(variable)
+        cache = getattr(self, "_exclude_from_weight_decay_cache", None)
+        if cache is not None and key in cache:
+            return cache[key]
         pattern = getattr(self, "_exclude_from_weight_decay_pattern", None)
-        if pattern is None or not any(
-                re.search(pattern, name) for name in _variable_names(variable)):
-            return True
-        self._exclude_from_weight_decay_cache[self._var_key(variable)] = False
-        return False
+        use = super()._use_weight_decay(variable) and not (
+            pattern is not None and any(
+                re.search(pattern, name)
+                for name in _variable_names(variable)))
+        self._exclude_from_weight_decay_cache[key] = use
+        return use
 
     def apply_gradients(
         self,

@@ -173,13 +173,12 @@ class _Plan:
         for j, var in enumerate(self.variables):
             value = var._value
             groups.setdefault((value.device, value.dtype), []).append(j)
-        self.fusable = all(dtype in _FUSED_DTYPES and device.type in (
-            "cpu", "cuda") for device, dtype in groups)
         self.groups = [_Group(optimizer, self.variables, indices, averager)
                        for indices in groups.values()]
         # The kernel walks storage in order: a variable (or slot) laid out
         # otherwise, e.g. `keras.Variable(x.T)`, takes Keras' own step.
-        self.fusable = self.fusable and all(
+        self.fusable = all(dtype in _FUSED_DTYPES and device.type in (
+            "cpu", "cuda") for device, dtype in groups) and all(
             t.is_contiguous() for g in self.groups
             for t in (*g.params, *g.m, *g.v, *g.v_hat))
         self.averaged = [v for g in self.groups for v in g.averaged]

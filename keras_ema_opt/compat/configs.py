@@ -144,13 +144,19 @@ def _loss_scale(config, custom_objects):
     )
 
 
-def _schedule(config):
+def without_unnamed(config):
+    """A serialized schedule without ``"name": None`` (Keras 2's default):
+    Keras 3 takes ``name=None``, then fails at the first step."""
     config = dict(config)
     inner = dict(config.get("config") or {})
     if inner.get("name", "") is None:
-        # Keras 3 takes name=None, then fails at the first step.
         inner.pop("name")
     config["config"] = inner
+    return config
+
+
+def _schedule(config):
+    config = without_unnamed(config)
     config.setdefault("module", "keras.optimizers.schedules")
     config.setdefault("registered_name", None)
     try:
