@@ -121,6 +121,15 @@ class SwapAverage(keras.callbacks.Callback):
     def _in_fit(self):
         return bool(getattr(self, "_fitting", False))
 
+    def set_params(self, params):
+        # Keras gives each fit(), evaluate() and predict() call its own
+        # callback list, which sets the parameters of its callbacks (the
+        # validation inside fit() reuses fit's list). A fit() that ended in
+        # an exception never called `on_train_end`: a later evaluate() is
+        # not inside it.
+        self._fitting = False
+        super().set_params(params)
+
     def on_train_begin(self, logs=None):
         # A swap left open by a fit(), evaluate() or predict() that ended in
         # an exception (Keras calls no `*_end` then): put the raw weights

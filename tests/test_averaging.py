@@ -88,6 +88,36 @@ def test_swap_restores_after_an_exception():
         assert _bits_equal(to_numpy(v), r)
 
 
+def test_swap_callback_after_a_fit_that_raised_restores_on_evaluate():
+    # A fit() interrupted in its second epoch never calls on_train_end: a
+    # later evaluate() with the same callback is not inside that fit, and
+    # must end on the raw weights (it left the averages in the model).
+    class Interrupt(keras.callbacks.Callback):
+        def on_epoch_begin(self, epoch, logs=None):
+            self.epoch = epoch
+
+        def on_train_batch_end(self, batch, logs=None):
+            if self.epoch == 1 and batch == 2:
+                raise KeyboardInterrupt("stop")
+
+    x, y = _data()
+    model = _model()
+    model.compile(optimizer=keras_ema_opt.Adam(
+        0.1, averaging=keras_ema_opt.EMA(0.9, finalize=False)), loss="mse")
+    callback = SwapAverage(swap_on_epoch=True)
+    with pytest.raises(KeyboardInterrupt):
+        model.fit(x, y, batch_size=8, epochs=3, verbose=0,
+                  callbacks=[callback, Interrupt()])
+    keras_ema_opt.backend.sync_training_state(model)
+    raw = _weights(model)
+    assert not np.array_equal(raw[0], to_numpy(
+        model.optimizer.average_of(model.trainable_variables[0])))
+    model.evaluate(x, y, verbose=0, callbacks=[callback])
+    assert not callback.averages_in_model
+    for v, r in zip(model.trainable_variables, raw):
+        assert _bits_equal(to_numpy(v), r)
+
+
 def test_average_of_and_assign_averages():
     model, _, _ = _fit_model(keras_ema_opt.SWA(finalize=False))
     opt = model.optimizer

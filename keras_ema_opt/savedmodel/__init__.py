@@ -178,8 +178,13 @@ def _load(path, custom_objects, safe_mode, model):
 
     record = readers.read(path)
     if record.format == "keras_v2_zip":
-        return _load_keras_zip(record, custom_objects, safe_mode,
-                               model), record, {}, []
+        model = _load_keras_zip(record, custom_objects, safe_mode, model)
+        optimizer = getattr(model, "optimizer", None)
+        if optimizer is not None and not optimizer.built:
+            # Built on the model, as below: the written file then holds
+            # the variables Keras builds when it is loaded.
+            optimizer.build(model.trainable_variables)
+        return model, record, {}, []
     model = _given_model(record, custom_objects, safe_mode, model)
     mapping = convert.assign_weights(record, model)
     optimizer = getattr(model, "optimizer", None)

@@ -314,11 +314,18 @@ def fill_optimizer(record, optimizer, mapping, model, placed=None):
                        np.asarray(lr, dtype="float32")))
     table = slot_tables.SLOT_ATTRIBUTES.get(type(inner).__name__, {})
     averager = getattr(inner, "_averager", None)
-    missed = []
+    missed, frozen = [], []
+    built_on = inner._trainable_variables_indices
     for slot in state.slots:
         var = mapping.get(slot.weight)
-        index = None if var is None else inner._get_variable_index(var)
         what = f"{slot.slot} of {record.names.get(slot.weight, slot.weight)}"
+        if var is not None and inner._var_key(var) not in built_on:
+            # A layer frozen after training: Keras 3 builds the optimizer
+            # on the trainable variables only (as the written file is
+            # reloaded), so there is no place for its state.
+            frozen.append(var.path)
+            continue
+        index = None if var is None else inner._get_variable_index(var)
         if slot.slot == "average":
             if averager is None or index is None or (
                     averager.slots[index] is None):
@@ -343,6 +350,15 @@ def fill_optimizer(record, optimizer, mapping, model, placed=None):
             f"{record.path}: {type(inner).__name__} built from the config has "
             f"no place for the Keras 2 state {missed[:6]}"
             f"{'...' if len(missed) > 6 else ''}.")
+    if frozen:
+        frozen = list(dict.fromkeys(frozen))
+        warnings.warn(
+            f"{record.path}: the optimizer state of {frozen[:6]}"
+            f"{'...' if len(frozen) > 6 else ''} is not migrated: these "
+            "variables were trained, but their layers are frozen in the "
+            "saved model, and a Keras 3 optimizer holds state for trainable "
+            "variables only. Unfreeze them before saving the Keras 2 model "
+            "to keep it.", stacklevel=3)
     if hasattr(inner, "_u_product"):
         inner._u_product.assign(
             legacy_rules.nadam_u_product(inner.beta_1, state.iterations))

@@ -14,6 +14,7 @@ import numpy as np
 
 from keras_ema_opt.compat import slots as slot_tables
 from keras_ema_opt.errors import LegacyFormatError
+from keras_ema_opt.errors import LegacyStateError
 from keras_ema_opt.savedmodel.record import LegacyRecord
 from keras_ema_opt.savedmodel.record import OptimizerState
 from keras_ema_opt.savedmodel.record import Slot
@@ -186,27 +187,40 @@ def _natural(path):
             for p in re.split(r"(\d+)", path)]
 
 
+# Children of a SavedModel's layers that list variables found elsewhere
+# (reference legacy-formats.md §2c): their paths are not the variables'
+# own, and they would not be unique in a nested model.
+_ALIASES = frozenset({
+    "keras_api", "variables", "trainable_variables",
+    "non_trainable_variables", "trainable_weights", "non_trainable_weights",
+    "weights", "regularization_losses", "signatures"})
+
+
 def _read_model_weights(graph, model, optimizer, record):
     """Variables under the model's layers, keyed by object path, into
-    ``record``; returns ``{node id: object path}``."""
-    found = {}
-    stack = [(model, "")]
-    seen = {model}
-    if optimizer is not None:
-        seen.add(optimizer)
-    while stack:
-        node, path = stack.pop()
-        for name, child in graph.children(node).items():
-            if child in seen:
-                continue
-            top = (path + "/" + name).lstrip("/")
-            if not top.split("/")[0].startswith(("layer_with_weights-",
-                                                 "layer-")):
-                continue
-            seen.add(child)
-            if graph.attribute(child) is not None:
-                found[top] = child
-            stack.append((child, top))
+    ``record``; returns ``{node id: object path}``. Each variable is keyed
+    by its own path (``layer_with_weights-1/layer_with_weights-0/kernel``),
+    not by an alias list that also reaches it; a variable only an alias
+    reaches keeps the alias path."""
+    found, taken = {}, set()
+    for aliases in (False, True):
+        stack = [(model, "")]
+        walked = {model, optimizer}
+        while stack:
+            node, path = stack.pop()
+            for name, child in graph.children(node).items():
+                if child in walked or (name in _ALIASES and not aliases):
+                    continue
+                top = (path + "/" + name).lstrip("/")
+                if not top.split("/")[0].startswith(("layer_with_weights-",
+                                                     "layer-")):
+                    continue
+                walked.add(child)
+                if graph.attribute(child) is None:
+                    stack.append((child, top))
+                elif child not in taken:
+                    taken.add(child)
+                    found[top] = child
     for path in sorted(found, key=_natural):
         node = found[path]
         record.weights[path] = graph.value(node)
@@ -228,7 +242,7 @@ def _read_optimizer(graph, node, record, paths):
             node = children[inner]
             children = graph.children(node)
     if "_iterations" in children:
-        state = _read_new(graph, node, children, record)
+        state = _read_new(graph, node, children, record, paths)
     elif "iter" in children or graph.nodes[node]["slot_variables"]:
         state = _read_v2(graph, node, children, record, paths)
     else:
@@ -247,7 +261,7 @@ def _scalar(value):
     return value.item() if value.size == 1 else value
 
 
-def _read_new(graph, node, children, record):
+def _read_new(graph, node, children, record, paths):
     state = OptimizerState(kind="new")
     state.iterations = int(_scalar(graph.value(children["_iterations"])))
     for key in ("_learning_rate", "_current_learning_rate"):
@@ -256,12 +270,13 @@ def _read_new(graph, node, children, record):
     if "_u_product" in children:
         state.hyperparameters["_u_product"] = _scalar(
             graph.value(children["_u_product"]))
-    placer = _Placer(record, graph.path)
+    placer = _Placer(record, graph.path, _trainable_at_save(graph, paths))
     prefix = None
     for attr in sorted(children, key=_natural):
         if attr not in _NEW_LISTS:
             continue
         members = graph.children(children[attr])
+        entries = []
         for index in sorted((k for k in members if k.isdigit()), key=int):
             var = members[index]
             full = graph.name(var) or ""
@@ -275,9 +290,21 @@ def _read_new(graph, node, children, record):
             prefix = prefix or head
             if value.dtype.kind in "iu" and value.ndim == 0:
                 continue  # Adafactor's rank < 2 placeholders
-            state.slots.append(placer.slot(slot, model_name, value, full))
+            entries.append((slot, model_name, value, full))
+        state.slots.extend(placer.place(entries))
     state.class_name = prefix
     return state
+
+
+def _trainable_at_save(graph, paths):
+    """The record keys of the SavedModel's ``root.trainable_variables``
+    (the model's trainable variables when it was saved), or None where
+    the artifact does not list them (checkpoints)."""
+    listed = graph.children(0).get("trainable_variables")
+    if listed is None:
+        return None
+    return {paths[member] for member in graph.children(listed).values()
+            if member in paths}
 
 
 def _split_new(full):
@@ -298,37 +325,71 @@ def _weights_by_name(record):
 
 
 class _Placer:
-    """Ties optimizer state to model weights by Keras 2 variable name.
+    """Ties one list of new-optimizer state to model weights by Keras 2
+    variable name.
 
-    Each slot name has its own queue per variable name, so colliding names
-    (same-named layers in sub-models) are taken in model order.
+    Element *i* of the list belongs to the *i*-th variable the optimizer
+    was built on, which is not stored; the names are. Where several model
+    weights share a name (same-named layers in sub-models), the list's
+    elements of that name are taken in model order when there are as many
+    of them as weights of that name. When there are fewer (some of those
+    layers were frozen when the optimizer was built), the SavedModel's
+    trainable variables at save time decide if they are as many; otherwise
+    which weights the state belongs to cannot be told, and a
+    ``LegacyStateError`` says so rather than guess.
     """
 
-    def __init__(self, record, path):
+    def __init__(self, record, path, trainable=None):
         self.record = record
         self.path = path
-        self.queues = {}
+        self.trainable = trainable
 
-    def slot(self, slot, model_name, value, full):
-        if slot not in self.queues:
-            self.queues[slot] = _weights_by_name(self.record)
-        by_name = self.queues[slot]
-        queue = by_name.get(model_name)
+    def place(self, entries):
+        """``[(slot, model name, value, full name)]`` of one list, in list
+        order -> ``[Slot]``."""
+        by_name = _weights_by_name(self.record)
+        wanted = {}
+        for _, model_name, _, _ in entries:
+            wanted[model_name] = wanted.get(model_name, 0) + 1
+        queues = {}
+        out = []
+        for slot, model_name, value, full in entries:
+            if model_name not in queues:
+                queues[model_name] = self._candidates(
+                    by_name, model_name, wanted[model_name], full)
+            queue = queues[model_name]
+            if not queue:
+                raise LegacyFormatError(
+                    f"{self.path}: optimizer state {full!r} belongs to model "
+                    f"variable {model_name!r}, which the artifact's model "
+                    "does not have (or has fewer times). Model variables: "
+                    f"{sorted(by_name)[:8]}", path=self.path, key=full)
+            out.append(Slot(slot, queue.pop(0), value, full))
+        return out
+
+    def _candidates(self, by_name, model_name, wanted, full):
+        queue = list(by_name.get(model_name) or ())
         if not queue:
             # Names may carry an outer scope the weights lack (or the
             # reverse).
-            queue = next((q for known, q in by_name.items() if q and (
+            queue = list(next((q for known, q in by_name.items() if q and (
                 known.endswith("/" + model_name)
-                or model_name.endswith("/" + known))), None)
-        if not queue:
-            raise LegacyFormatError(
-                f"{self.path}: optimizer state {full!r} belongs to model "
-                f"variable {model_name!r}, which the artifact's model does "
-                "not have (or has fewer times). Model variables: "
-                f"{sorted(by_name)[:8]}", path=self.path, key=full)
-        return Slot(slot, queue.pop(0), value, full)
-
-
+                or model_name.endswith("/" + known))), ()))
+        if len(queue) <= max(wanted, 1):
+            return queue
+        if self.trainable is not None:
+            trained = [key for key in queue if key in self.trainable]
+            if len(trained) == wanted:
+                return trained
+        raise LegacyStateError(
+            f"{self.path}: the optimizer holds state ({full!r} ...) for "
+            f"{wanted} of the {len(queue)} model weights named "
+            f"{model_name!r} ({queue}): the other layers of that name were "
+            "frozen when the optimizer was built, and the artifact does not "
+            "say which ones (Keras 2 does not store the optimizer's variable "
+            "list). Save the Keras 2 model with those layers frozen as they "
+            "were in training (a SavedModel lists its trainable variables), "
+            "or give the layers distinct names.")
 def _read_v2(graph, node, children, record, paths):
     state = OptimizerState(kind="legacy")
     state.iterations = int(_scalar(graph.value(children["iter"])))
@@ -494,6 +555,7 @@ def _h5_optimizer(values, record, path):
         state = OptimizerState(kind="legacy")
     else:
         state = OptimizerState(kind="new")
+    entries = []
     for name, value in values:
         last = name.split("/")[-1]
         if last in ("iter", "iteration"):
@@ -515,7 +577,12 @@ def _h5_optimizer(values, record, path):
             raise LegacyFormatError(
                 f"{path}: cannot place optimizer weight {name!r} (no known "
                 "slot name or model variable in it).", path=path, key=name)
-        state.slots.append(placer.slot(slot, model_name, value, name))
+        entries.append((slot, model_name, value, name))
+    # One list per slot name, in file order (h5 files of same-named layers
+    # cannot be written by tf_keras: their names collide).
+    for slot in dict.fromkeys(entry[0] for entry in entries):
+        state.slots.extend(placer.place(
+            [entry for entry in entries if entry[0] == slot]))
     record.warnings.append(
         "h5 files do not store the learning-rate variable (the config value "
         "is used)" + (" nor Nadam's u_product (recomputed from the "
@@ -556,6 +623,12 @@ def read_keras_zip(path):
         raise LegacyFormatError(
             f"{path}: not a readable .keras zip ({e}).", path=path) from e
     record.keras_version = meta.get("keras_version")
+    if str(record.keras_version or "").split(".")[0] not in ("", "2"):
+        raise LegacyFormatError(
+            f"{path} is a .keras file written by Keras "
+            f"{record.keras_version}, not by Keras 2 (tf_keras): it needs "
+            "no migration; load it with `keras.saving.load_model`.",
+            path=path)
     record.model_config = {"class_name": config.get("class_name"),
                            "config": config.get("config")}
     record.training_config = config.get("compile_config")
