@@ -1,6 +1,8 @@
 """Power-function EMA and post-hoc reconstruction (Karras et al. 2024,
 EDM2) against float64 numpy references written from the paper."""
 
+import re
+
 import keras
 import numpy as np
 import pytest
@@ -218,3 +220,78 @@ def test_power_ema_errors():
         keras_ema_opt.PowerEMA(snapshot_every=10)
     with pytest.raises(ValueError, match="No power-EMA snapshots"):
         keras_ema_opt.PowerEMA().synthesize(0.1, snapshot_dir="/nonexistent")
+
+
+def _trained_snapshots(tmp_path, dtype="float32", steps=40, every=20):
+    averaging = keras_ema_opt.PowerEMA(
+        sigma_rels=(0.05, 0.10), snapshot_every=every, snapshot_dir=tmp_path)
+    rng = np.random.default_rng(1)
+    w = keras.Variable(rng.normal(size=(3, 2)).astype("float32"),
+                       dtype=dtype, name="w")
+    opt = keras_ema_opt.SGD(learning_rate=0.05, averaging=averaging)
+    opt.build([w])
+    for step in range(1, steps + 1):
+        g = keras.ops.convert_to_tensor(
+            rng.normal(size=(3, 2)).astype("float32") + 0.5, dtype=dtype)
+        opt.apply_gradients([(g, w)])
+        if step % every == 0:
+            opt.save_snapshot()
+    return averaging, opt, w
+
+
+def test_synthesis_takes_only_a_snapshot_step(tmp_path):
+    averaging, _, w = _trained_snapshots(tmp_path)
+    assert averaging.synthesize(0.08, step=20)[w.path].shape == (3, 2)
+    # A power EMA at step 50 averages weights that no snapshot saw.
+    for step in (50, 30, 0, "40", True, 40.0):
+        with pytest.raises(ValueError, match=r"\[20, 40\].*Received: step="
+                           + re.escape(repr(step))):
+            averaging.synthesize(0.08, step=step)
+
+
+def test_synthesis_names_a_damaged_or_foreign_snapshot(tmp_path):
+    from keras_ema_opt.averaging import posthoc
+
+    averaging, _, w = _trained_snapshots(tmp_path)
+    good = dict(np.load(tmp_path / "phema-000000040.npz"))
+    # A snapshot of another model in the same folder: same path, another
+    # shape (it broadcast into the result before).
+    posthoc.write_snapshot(tmp_path, 60, averaging.gammas, 1, {
+        "0/" + w.path: np.ones((3, 1), "float32"),
+        "1/" + w.path: np.ones((3, 1), "float32")})
+    with pytest.raises(ValueError, match=r"shape \(3, 2\) in .*phema-0+20"
+                       r".*\(3, 1\) in .*phema-0+60"):
+        averaging.synthesize(0.08)
+    (tmp_path / "phema-000000060.npz").unlink()
+    # A snapshot cut short (a full disk, a copy that stopped).
+    data = (tmp_path / "phema-000000040.npz").read_bytes()
+    (tmp_path / "phema-000000040.npz").write_bytes(data[: len(data) // 2])
+    with pytest.raises(ValueError, match=r"phema-000000040.npz is not a "
+                       "readable power-EMA snapshot"):
+        averaging.synthesize(0.08)
+    assert "__meta__" in good
+
+
+def test_snapshot_of_bfloat16_averages_reads_back(tmp_path):
+    averaging, opt, w = _trained_snapshots(tmp_path, dtype="bfloat16")
+    stored = np.load(tmp_path / "phema-000000040.npz")
+    key = f"1/{w.path}"
+    assert stored[key].dtype == np.float32
+    np.testing.assert_array_equal(
+        stored[key], to_numpy(keras.ops.cast(opt.average_of(w, 1),
+                                             "float32")))
+    got = averaging.synthesize(0.10, step=40)[w.path]
+    np.testing.assert_allclose(got, stored[key], rtol=2e-2, atol=2e-2)
+
+
+def test_snapshot_refuses_two_averages_of_one_path(tmp_path):
+    a = keras.Variable(np.zeros((2,), "float32"), name="w")
+    b = keras.Variable(np.ones((2,), "float32"), name="w")
+    assert a.path == b.path
+    opt = keras_ema_opt.SGD(0.1, averaging=keras_ema_opt.PowerEMA(
+        snapshot_every=1, snapshot_dir=tmp_path))
+    opt.build([a, b])
+    with pytest.raises(ValueError, match=r"two averaged variables have the "
+                       r"path 'w'"):
+        opt.save_snapshot()
+    assert list(tmp_path.iterdir()) == []

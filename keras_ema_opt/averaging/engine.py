@@ -19,6 +19,7 @@ import numpy as np
 from keras import ops
 
 from keras_ema_opt import backend
+from keras_ema_opt.errors import InvalidArgumentError
 
 
 def _is_float(variable):
@@ -330,6 +331,12 @@ class Averager:
             if slots is None:
                 continue
             name = getattr(var, "path", None) or str(var.name)
+            if f"0/{name}" in arrays:
+                raise InvalidArgumentError(
+                    "save_snapshot(): two averaged variables have the path "
+                    f"{name!r}, and a snapshot keeps the averages by path "
+                    "(synthesize() gives them back by path): give the "
+                    "layers or sub-models distinct names.")
             for index, slot in enumerate(slots):
                 arrays[f"{index}/{name}"] = ops.convert_to_numpy(slot.value)
         step = int(ops.convert_to_numpy(optimizer.iterations))

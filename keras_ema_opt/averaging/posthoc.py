@@ -18,6 +18,7 @@ the closed form ``<p_a, p_b> = (g_a + 1)(g_b + 1)(t_a / t_b)^e /
 import glob
 import json
 import os
+import zipfile
 
 import numpy as np
 
@@ -61,12 +62,16 @@ def solve_coefficients(in_t, in_gamma, out_t, out_gamma):
 def write_snapshot(directory, step, gammas, every, arrays):
     """Write one snapshot atomically; returns its path.
 
-    ``arrays`` maps ``"<slot>/<variable path>"`` to numpy arrays.
+    ``arrays`` maps ``"<slot>/<variable path>"`` to numpy arrays. Averages
+    of a dtype numpy's ``.npz`` cannot read back (bfloat16) are written as
+    float32, which holds them exactly.
     """
     os.makedirs(directory, exist_ok=True)
     path = os.path.join(directory, SNAPSHOT_PATTERN.format(step=int(step)))
     meta = {"step": int(step), "gammas": [float(g) for g in gammas],
             "every": int(every)}
+    arrays = {key: _storable(np.asarray(value))
+              for key, value in arrays.items()}
     with _io.temporary_beside(path, ".npz") as tmp:
         with open(tmp, "wb") as f:
             np.savez(f, __meta__=np.frombuffer(
@@ -75,70 +80,143 @@ def write_snapshot(directory, step, gammas, every, arrays):
     return path
 
 
+def _storable(array):
+    if array.dtype.kind in "fiub" and array.dtype.name != "bfloat16" and (
+            array.dtype.isbuiltin):
+        return array
+    return array.astype(np.float32)
+
+
+def _snapshot_error(path, problem):
+    return InvalidArgumentError(
+        f"{path} is not a readable power-EMA snapshot: {problem}")
+
+
+def _read_meta(path):
+    try:
+        with np.load(path) as data:
+            meta = json.loads(bytes(data["__meta__"]).decode())
+    except (OSError, ValueError, KeyError, EOFError,
+            zipfile.BadZipFile) as e:
+        raise _snapshot_error(path, f"{type(e).__name__}: {e}") from e
+    if not isinstance(meta, dict) or not isinstance(
+            meta.get("step"), int) or not isinstance(
+            meta.get("gammas"), list):
+        raise _snapshot_error(
+            path, f"its metadata {meta!r} lacks an integer `step` and a "
+            "list of `gammas`")
+    return meta
+
+
+def _read_arrays(path):
+    try:
+        with np.load(path) as data:
+            return {k: data[k] for k in data.files if k != "__meta__"}
+    except (OSError, ValueError, KeyError, EOFError,
+            zipfile.BadZipFile) as e:
+        raise _snapshot_error(path, f"{type(e).__name__}: {e}") from e
+
+
+def _index(directory, max_step=None):
+    """``[(meta, path)]`` of the snapshots in ``directory`` (up to
+    ``max_step``), sorted by step; reads only their metadata."""
+    out = []
+    for path in sorted(glob.glob(os.path.join(directory, "phema-*.npz"))):
+        meta = _read_meta(path)
+        if max_step is None or meta["step"] <= max_step:
+            out.append((meta, path))
+    out.sort(key=lambda item: item[0]["step"])
+    return out
+
+
 def read_snapshots(directory, max_step=None):
     """All snapshots in ``directory`` (up to ``max_step``), sorted by step.
 
     Returns:
         A list of ``(meta, arrays)`` with ``arrays`` a dict of numpy arrays.
+
+    Raises:
+        InvalidArgumentError: naming a file that is not a readable snapshot.
     """
-    paths = sorted(glob.glob(os.path.join(directory, "phema-*.npz")))
-    out = []
-    for path in paths:
-        try:
-            with np.load(path) as data:
-                meta = json.loads(bytes(data["__meta__"]).decode())
-                arrays = {k: data[k] for k in data.files if k != "__meta__"}
-        except (OSError, ValueError, KeyError) as e:
-            raise InvalidArgumentError(
-                f"{path} is not a readable power-EMA snapshot: {e}"
-            ) from e
-        if max_step is None or meta["step"] <= max_step:
-            out.append((meta, arrays))
-    return out
+    return [(meta, _read_arrays(path))
+            for meta, path in _index(directory, max_step)]
 
 
 def synthesize(directory, gamma, step=None):
     """The weights of a power EMA of exponent ``gamma`` at ``step``.
 
+    The snapshots are read one at a time (memory: the result and one
+    snapshot), and every snapshot must hold the same variables, with the
+    same shapes, as the last one.
+
     Args:
         directory: Folder of snapshots written by a ``PowerEMA``.
         gamma: Target exponent (``schedules.sigma_rel_to_gamma`` converts a
             ``sigma_rel``).
-        step: Target step; default: the last snapshot's.
+        step: Target step, one of the snapshots' steps (a power EMA at a
+            later step averages weights no snapshot saw); default: the last
+            snapshot's.
 
     Returns:
         A dict ``variable path -> float32 numpy array``.
+
+    Raises:
+        InvalidArgumentError: a step that is not a snapshot's, no snapshots,
+            a damaged file, or snapshots that do not come from one model
+            (each named).
     """
     # A snapshot of step 0 (before any update) has no power-function
     # profile to fit: EDM2 keeps the snapshots of 0 < t_i <= t.
-    snapshots = [s for s in read_snapshots(directory, step)
-                 if s[0]["step"] > 0]
-    if not snapshots:
+    index = [(meta, path) for meta, path in _index(directory)
+             if meta["step"] > 0]
+    if not index:
         raise InvalidArgumentError(
-            f"No power-EMA snapshots after step 0 in {directory!r}"
-            + ("" if step is None else f" at or before step {step}")
-            + ". PowerEMA writes them every `snapshot_every` steps."
-        )
-    step = snapshots[-1][0]["step"] if step is None else int(step)
-    in_t, in_gamma, sources = [], [], []
-    for meta, arrays in snapshots:
-        for slot, g in enumerate(meta["gammas"]):
+            f"No power-EMA snapshots after step 0 in {directory!r}. "
+            "PowerEMA writes them every `snapshot_every` steps.")
+    steps = [meta["step"] for meta, _ in index]
+    if step is None:
+        step = steps[-1]
+    if isinstance(step, (bool, np.bool_)) or not isinstance(
+            step, (int, np.integer)) or int(step) not in steps:
+        shown = steps if len(steps) <= 8 else steps[:4] + ["..."] + steps[-3:]
+        raise InvalidArgumentError(
+            "`step` must be the step of one of the snapshots in "
+            f"{directory!r} ({shown}): the snapshots fit the profile of a "
+            "power EMA on [0, step] only where they reach it. "
+            f"Received: step={step!r}")
+    step = int(step)
+    index = [(meta, path) for meta, path in index if meta["step"] <= step]
+    in_t, in_gamma = [], []
+    for meta, _ in index:
+        for g in meta["gammas"]:
             in_t.append(meta["step"])
             in_gamma.append(g)
-            sources.append((arrays, f"{slot}/"))
     x = solve_coefficients(in_t, in_gamma, [step], [gamma])[:, 0]
-    names = [k.split("/", 1)[1] for k in snapshots[-1][1] if k.startswith("0/")]
-    result = {}
-    for name in names:
-        total = None
-        for coefficient, (arrays, prefix) in zip(x, sources):
-            key = prefix + name
-            if key not in arrays:
-                raise InvalidArgumentError(
-                    f"Snapshot variable {name!r} is missing from a snapshot "
-                    "written earlier: the snapshots do not come from one model."
-                )
-            term = coefficient * arrays[key].astype(np.float64)
-            total = term if total is None else total + term
-        result[name] = total.astype(np.float32)
-    return result
+    last_path = index[-1][1]
+    last = _read_arrays(last_path)
+    shapes = {k.split("/", 1)[1]: v.shape for k, v in last.items()
+              if k.startswith("0/")}
+    del last
+    totals = {name: np.zeros(shape, np.float64)
+              for name, shape in shapes.items()}
+    k = 0
+    for meta, path in index:
+        arrays = _read_arrays(path)
+        for slot in range(len(meta["gammas"])):
+            for name, shape in shapes.items():
+                key = f"{slot}/{name}"
+                if key not in arrays:
+                    raise InvalidArgumentError(
+                        f"Snapshot variable {name!r} (slot {slot}) is "
+                        f"missing from {path}, which {last_path} has: the "
+                        "snapshots do not come from one model.")
+                if arrays[key].shape != shape:
+                    raise InvalidArgumentError(
+                        f"Snapshot variable {name!r} has shape "
+                        f"{arrays[key].shape} in {path} and {shape} in "
+                        f"{last_path}: the snapshots do not come from one "
+                        "model.")
+                totals[name] += x[k] * arrays[key].astype(np.float64)
+            k += 1
+        del arrays
+    return {name: total.astype(np.float32) for name, total in totals.items()}

@@ -368,9 +368,20 @@ class PowerEMA(Averaging):
     def synthesize(self, sigma_rel, step=None, snapshot_dir=None):
         """Weights of a power EMA of width ``sigma_rel`` from the snapshots.
 
+        Args:
+            sigma_rel: The width, in ``(0, 1/sqrt(12))``.
+            step: The step of one of the snapshots (default: the last);
+                the snapshots up to it are used.
+            snapshot_dir: The folder of the snapshots (default: this
+                averaging's).
+
         Returns:
             A dict ``variable path -> float32 numpy array``; assign it with
             ``keras_ema_opt.averaging.assign_by_path(model, weights)``.
+
+        Raises:
+            InvalidArgumentError: a ``step`` that is no snapshot's, and
+                snapshots that are damaged or do not come from one model.
         """
         from keras_ema_opt.averaging import posthoc
 
