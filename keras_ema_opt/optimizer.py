@@ -1103,10 +1103,10 @@ class Optimizer(backend.OptimizerHooks, keras.optimizers.Optimizer):
             slot: Which average for strategies keeping several (PowerEMA).
         """
         averager = self._require_averages("assign_averages", slot)
-        for var in averager.variables if var_list is None else var_list:
-            i = averager.index(self, var)
-            if i is not None and averager.slots[i] is not None:
-                backend.assign_copy(self, var, averager.value(i, slot))
+        for var, i in engine.averaged_pairs(
+                self, averager,
+                averager.variables if var_list is None else var_list):
+            backend.assign_copy(self, var, averager.value(i, slot))
 
     def average_of(self, variable, slot=0):
         """The current average of ``variable`` (a tensor), or ``None``.

@@ -20,6 +20,7 @@ from keras import ops
 
 from keras_ema_opt import backend
 from keras_ema_opt.errors import InvalidArgumentError
+from keras_ema_opt.errors import UnknownVariableError
 
 
 def _is_float(variable):
@@ -159,8 +160,9 @@ class Averager:
                 for i in range(self.first_extra or 0, len(self.variables))]
 
     def _plan(self, optimizer, applied=None):
-        """(average, copy, decays) of this step: the gates (``None`` when
-        every step averages) and one decay per slot."""
+        """(average, copy, weights) of this step: the gates (``None`` when
+        every step averages) and one weight ``w = 1 - d`` per slot (formed
+        by the strategy without the cancellation of ``1 - d``)."""
         strategy = self.strategy
         t, real = self._step(optimizer, applied)
         plain = real is None and strategy.start_step == 0 and (
@@ -178,7 +180,8 @@ class Averager:
                 average = ops.logical_and(average, real)
                 copy = ops.logical_and(copy, real)
         n = ops.cast(self.count.value, "int32") + 1
-        return average, copy, strategy.decays(n, t)
+        return average, copy, [ops.cast(w, "float32")
+                               for w in strategy.weights(n, t)]
 
     def fold_weights(self, optimizer):
         """For a backend update step that averages the variables itself,
@@ -186,8 +189,8 @@ class Averager:
         ``a <- a + w (x - a)`` per slot, for this step. The step then calls
         :meth:`folded` with the variables it averaged, and :meth:`update`
         leaves those to it (and still moves the counters)."""
-        self._fold_plan = average, copy, decays = self._plan(optimizer)
-        return [self._weight(d, average, copy) for d in decays]
+        self._fold_plan = average, copy, weights = self._plan(optimizer)
+        return [self._weight(w, average, copy) for w in weights]
 
     def folded(self, variables):
         """Mark ``variables`` as averaged for this step by the update."""
@@ -216,24 +219,24 @@ class Averager:
         plan, self._fold_plan = self._fold_plan, None
         if not folded or applied is not None or plan is None:
             plan = self._plan(optimizer, applied)
-        average, copy, decays = plan
+        average, copy, weights = plan
         targets = [target for target in self._targets(optimizer, extras_only)
                    if id(target[1]) not in folded]
         # Nothing left to mix when the update averaged every variable.
-        for k, decay in enumerate(decays if targets else ()):
+        for k, weight in enumerate(weights if targets else ()):
             pairs = [(slots[k], var) for _, var, slots in targets]
             # A backend fast path (PyTorch: one `_foreach_lerp_` per device
             # and dtype) takes what it can; the rest is mixed here.
             for slot, var in backend.lerp_averages(
-                    pairs, self._weight(decay, average, copy),
+                    pairs, self._weight(weight, average, copy),
                     gated=average is not None):
-                slot.assign(self._mix(slot, var, decay, average, copy))
+                slot.assign(self._mix(slot, var, weight, average, copy))
         if extras_only:
             return
         step = ops.cast(average if average is not None else True, "int32")
         self.count.assign(self.count.value + ops.cast(step, self.count.dtype))
         if self.debias is not None:
-            self.debias.assign(self._mix_scalar(decays[0], average, copy))
+            self.debias.assign(self._mix_scalar(weights[0], average, copy))
 
     def _warn_unseen(self, optimizer, var):
         # JAX's fit() step updates these right after (backend.attach_model);
@@ -252,16 +255,15 @@ class Averager:
         )
 
     @staticmethod
-    def _weight(decay, average, copy):
-        """The weight of the new value in ``a <- a + w (x - a)``: ``1 - d``
+    def _weight(w, average, copy):
+        """The weight of the new value in ``a <- a + w (x - a)``: ``w``
         when averaging, 1 to copy, 0 to keep (the same rule as ``_mix``)."""
-        w = ops.subtract(1.0, ops.cast(decay, "float32"))
         if average is None:
             return w
         return ops.where(copy, 1.0, ops.where(average, w, 0.0))
 
     @staticmethod
-    def _mix(slot, var, decay, average, copy):
+    def _mix(slot, var, weight, average, copy):
         # Averages of bfloat16 / float16 are mixed in float32 and rounded
         # once: in bfloat16 a decay of 0.999 is 1.0, and the average would
         # never move (the fast paths take `1 - d` in float32 too).
@@ -270,19 +272,21 @@ class Averager:
             dtype = "float32"
         a = ops.cast(slot.value, dtype)
         w = ops.cast(var.value, dtype)
-        d = ops.cast(decay, dtype)
-        mixed = ops.add(ops.multiply(d, a), ops.multiply(ops.subtract(1, d), w))
+        # d a + (1 - d) x with the strategy's 1 - d: exact at both ends.
+        weight = ops.cast(weight, dtype)
+        d = ops.subtract(ops.cast(1, dtype), weight)
+        mixed = ops.add(ops.multiply(d, a), ops.multiply(weight, w))
         if average is not None:
             mixed = ops.where(copy, w, ops.where(average, mixed, a))
         return ops.cast(mixed, slot.dtype)
 
-    def _mix_scalar(self, decay, average, copy):
+    def _mix_scalar(self, weight, average, copy):
         # The debias state is c = 1 - prod(d), kept as such: updating
         # c <- (1 - d) + d * c stays accurate where prod(d) is close to 1
         # (1 - prod would cancel catastrophically in float32).
         c = self.debias.value
-        d = ops.cast(decay, "float32")
-        updated = ops.add(ops.subtract(1.0, d), ops.multiply(d, c))
+        weight = ops.cast(weight, "float32")
+        updated = ops.add(weight, ops.multiply(ops.subtract(1.0, weight), c))
         if average is None:
             return updated
         # A copy is an unbiased start: its correction is 1 / 1.
@@ -389,11 +393,7 @@ class _Swap:
         self.optimizer = optimizer
         self.averager = averager
         self.slot = slot
-        self.pairs = []
-        for var in variables:
-            i = averager.index(optimizer, var)
-            if i is not None and averager.slots[i] is not None:
-                self.pairs.append((var, i))
+        self.pairs = averaged_pairs(optimizer, averager, variables)
         self.raw = []
         self.step = None
 
@@ -411,6 +411,33 @@ class _Swap:
         for (var, _), raw in zip(self.pairs, self.raw):
             var.assign(raw)
         self.raw = []
+
+
+def averaged_pairs(optimizer, averager, variables):
+    """``[(variable, index)]`` of the averaged ones among ``variables``.
+
+    Variables the optimizer keeps no average of (integer and
+    non-trainable ones of a model) are left out; when none of them is
+    known to the optimizer at all (a clone of the model, another model),
+    that is a mistake, not nothing to do.
+
+    Raises:
+        UnknownVariableError: naming the first of them.
+    """
+    variables = list(variables)
+    pairs, known = [], False
+    for var in variables:
+        i = averager.index(optimizer, var)
+        known = known or i is not None
+        if i is not None and averager.slots[i] is not None:
+            pairs.append((var, i))
+    if variables and not known:
+        raise UnknownVariableError(
+            f"None of the {len(variables)} variables given "
+            f"({getattr(variables[0], 'path', variables[0])}, ...) is one "
+            "the optimizer was built with, so none has an average: pass "
+            "the model (or variables) the optimizer trains.")
+    return pairs
 
 
 def model_variables(target):

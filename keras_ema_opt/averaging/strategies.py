@@ -4,6 +4,7 @@ decay rule. The state and the update live in ``engine.py``."""
 import numbers
 
 import keras
+import numpy as np
 from keras import ops
 
 from keras_ema_opt.averaging import schedules
@@ -24,6 +25,34 @@ def _check_int(name, value, minimum):
             f"{name}={value!r}"
         )
     return int(value)
+
+
+def _check_bool(name, value):
+    # `bool("False")` is True: a flag is a bool, or no flag.
+    if not isinstance(value, (bool, np.bool_)):
+        raise InvalidArgumentError(
+            f"`{name}` must be True or False. Received: {name}={value!r}")
+    return bool(value)
+
+
+_AVERAGE_DTYPES = ("float16", "bfloat16", "float32", "float64")
+
+
+def _check_average_dtype(value):
+    if value is None:
+        return None
+    try:
+        dtype = keras.backend.standardize_dtype(value)
+    except (ValueError, TypeError) as e:
+        raise InvalidArgumentError(
+            f"`average_dtype` must be None or one of {_AVERAGE_DTYPES}. "
+            f"Received: average_dtype={value!r}") from e
+    if dtype not in _AVERAGE_DTYPES:
+        # An integer or bool average truncates every update.
+        raise InvalidArgumentError(
+            f"`average_dtype` must be None or one of {_AVERAGE_DTYPES}. "
+            f"Received: average_dtype={value!r}")
+    return dtype
 
 
 def _check_unit(name, value):
@@ -86,7 +115,10 @@ class Averaging:
 
     A strategy defines ``decays(n, t)``: the weight ``d`` kept on the old
     average at the ``n``-th averaging update, made at optimizer step ``t``
-    (``a <- d * a + (1 - d) * w``), one per slot.
+    (``a <- d * a + (1 - d) * w``), one per slot. Where ``d`` comes close
+    to 1 (after many updates), it also defines ``weights(n, t)``: the
+    ``1 - d`` themselves, formed without cancellation (the built-in
+    strategies do).
 
     Example:
 
@@ -118,17 +150,22 @@ class Averaging:
         include_non_trainable=False,
     ):
         self.start_step = _check_int("start_step", start_step, 0)
-        self.include_non_trainable = bool(include_non_trainable)
+        self.include_non_trainable = _check_bool("include_non_trainable",
+                                                 include_non_trainable)
         self.every = _check_int("every", every, 1)
-        self.average_dtype = (
-            None if average_dtype is None
-            else keras.backend.standardize_dtype(average_dtype)
-        )
-        self.finalize = bool(finalize)
+        self.average_dtype = _check_average_dtype(average_dtype)
+        self.finalize = _check_bool("finalize", finalize)
 
     def decays(self, n, t):
         """Decays (one per slot) for update ``n`` made at step ``t``."""
         raise NotImplementedError
+
+    def weights(self, n, t):
+        """``1 - d`` (one per slot) for update ``n`` made at step ``t``:
+        the weight of the new value in ``a <- a + w (x - a)``, which the
+        update uses. By default ``1 - decays(n, t)`` in float32."""
+        return [ops.subtract(1.0, ops.cast(d, "float32"))
+                for d in self.decays(n, t)]
 
     def get_config(self):
         return {
@@ -172,7 +209,11 @@ class EMA(Averaging):
 
     ``every=k`` updates the average every ``k`` steps with ``d ** k`` so that
     ``momentum`` keeps its meaning per optimizer step: the average has the
-    same time constant, ``1 / (1 - momentum)`` steps, whatever ``k``.
+    same time constant, ``1 / (1 - momentum)`` steps, whatever ``k``; a
+    warm-up counts optimizer steps as well (the ``n``-th update takes the
+    warm-up's ``d`` at ``n k``, to the power ``k``). ema-pytorch's
+    ``update_every`` uses ``d`` once per update instead, a time constant
+    ``k`` times longer.
     ``debias=True`` starts from zeros and reads ``a / (1 - prod(d))`` (optax
     ``ema(debias=True)``; Adam's bias correction).
 
@@ -215,7 +256,7 @@ class EMA(Averaging):
                 f"Received: warmup={warmup!r}"
             )
         self.warmup = warmup
-        self.debias = bool(debias)
+        self.debias = _check_bool("debias", debias)
         self.initial = "zeros" if self.debias else "copy"
         self.inv_gamma = _check_positive("inv_gamma", inv_gamma)
         self.power = _check_positive("power", power)
@@ -226,20 +267,24 @@ class EMA(Averaging):
                 "the ceiling of the warm-up). Received: "
                 f"min_momentum={min_momentum!r}, momentum={momentum!r}")
 
-    def decays(self, n, t):
+    def weights(self, n, t):
         del t
+        k = self.every
         if self.warmup is None:
-            d = schedules.constant(self.momentum, n)
-        elif self.warmup == "num_updates":
-            d = schedules.num_updates(self.momentum, n)
+            return [schedules.constant_weight(self.momentum, k)]
+        # The warm-up counts optimizer steps too: the n-th update every k
+        # steps takes the per-step weight at step n k, k times over.
+        steps = ops.cast(n, "float32") * float(k)
+        if self.warmup == "num_updates":
+            w = schedules.num_updates_weight(self.momentum, steps)
         else:
-            d = schedules.power(
-                self.momentum, n, self.inv_gamma, self.power,
-                self.min_momentum,
-            )
-        if self.every > 1:
-            d = ops.power(d, float(self.every))
-        return [d]
+            w = schedules.power_weight(
+                self.momentum, steps, self.inv_gamma, self.power,
+                self.min_momentum)
+        return [schedules.repeated_weight(w, k)]
+
+    def decays(self, n, t):
+        return [ops.subtract(1.0, w) for w in self.weights(n, t)]
 
     def get_config(self):
         return {
@@ -271,6 +316,10 @@ class SWA(Averaging):
     )
     ```
     """
+
+    def weights(self, n, t):
+        del t
+        return [schedules.running_mean_weight(n)]
 
     def decays(self, n, t):
         del t
@@ -359,6 +408,11 @@ class PowerEMA(Averaging):
                 )
         self.snapshot_every = snapshot_every
         self.snapshot_dir = None if snapshot_dir is None else str(snapshot_dir)
+
+    def weights(self, n, t):
+        del n
+        return [schedules.power_function_weight(g, t, self.every)
+                for g in self.gammas]
 
     def decays(self, n, t):
         del n
