@@ -16,6 +16,8 @@ import importlib.metadata
 import json
 import sys
 
+from keras_ema_opt.errors import InvalidArgumentError
+
 
 def environment_info():
     """What this installation runs on, as a dict of names to versions."""
@@ -33,7 +35,6 @@ def environment_info():
 
 def _demo(args):
     from keras_ema_opt import demo
-    from keras_ema_opt.errors import InvalidArgumentError
 
     try:
         result = demo.run_demo(args.output, epochs=args.epochs,
@@ -49,13 +50,31 @@ def _demo(args):
     return 0
 
 
+def _import(module, option, spec, form):
+    try:
+        return importlib.import_module(module)
+    except Exception as e:  # the user's module may raise anything
+        raise InvalidArgumentError(
+            f"{option} takes {form}, importable from here (the current "
+            f"folder and PYTHONPATH). Received: {spec!r}, whose module "
+            f"{module!r} failed to import: {type(e).__name__}: {e}") from e
+
+
 def _load_attr(spec, what):
     """``module:function`` -> the object, for ``--model``."""
     module, _, name = spec.partition(":")
     if not module or not name:
-        raise ValueError(
+        raise InvalidArgumentError(
             f"{what} takes module:function. Received: {spec!r}")
-    return getattr(importlib.import_module(module), name)
+    found = getattr(_import(module, what, spec, "module:function"), name,
+                    None)
+    if not callable(found):
+        raise InvalidArgumentError(
+            f"{what} takes module:function, a function of the module "
+            f"returning the Keras 3 model. Received: {spec!r}: module "
+            f"{module!r} has {'no ' if found is None else 'a non-callable '}"
+            f"{name!r}.")
+    return found
 
 
 def _custom_objects(spec):
@@ -63,11 +82,16 @@ def _custom_objects(spec):
     functions by name, or its ``CUSTOM_OBJECTS`` dict when it has one."""
     if not spec:
         return None
-    module = importlib.import_module(spec)
+    module = _import(spec, "--custom-objects", spec, "a module")
     objects = getattr(module, "CUSTOM_OBJECTS", None)
     if objects is None:
         objects = {k: v for k, v in vars(module).items()
                    if not k.startswith("_") and callable(v)}
+    if not isinstance(objects, dict):
+        raise InvalidArgumentError(
+            f"--custom-objects: {spec}.CUSTOM_OBJECTS must be a dict of "
+            f"name -> class or function. Received: "
+            f"{type(objects).__name__}")
     return dict(objects)
 
 

@@ -37,6 +37,12 @@ REMOVED_ARGUMENTS = {
     "MultiHeadAttention": {"query_shape": _ANY, "key_shape": _ANY,
                            "value_shape": _ANY,
                            "softmax_robust_masking": (False,)},
+    # tf_keras' choice of random generator; Keras 3 layers draw from
+    # their own SeedGenerator (no augmentation stream is carried over).
+    **{name: {"rng_type": _ANY} for name in (
+        "RandomFlip", "RandomRotation", "RandomZoom", "RandomTranslation",
+        "RandomContrast", "RandomCrop", "RandomHeight", "RandomWidth",
+        "RandomBrightness")},
     "BatchNormalization": {"fused": _ANY, "renorm": (False,),
                            "renorm_clipping": (None,),
                            "renorm_momentum": _ANY,

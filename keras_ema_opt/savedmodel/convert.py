@@ -280,8 +280,17 @@ def optimizer_from_record(record, custom_objects=None):
               if k in ("decay", "beta_1", "beta_2", "rho", "momentum")}
     if name == "Nadam":
         config.pop("decay", None)
-    if state.learning_rate is not None:
-        config["learning_rate"] = float(state.learning_rate)
+    if state.learning_rate is None:
+        # An OptimizerV2 keeps a constant rate as a variable: none is a
+        # schedule (or a callable), which a checkpoint does not store.
+        raise LegacyConfigError(
+            f"{record.path}: a bare checkpoint of a {name or 'legacy'} "
+            "optimizer with a learning-rate schedule (its rate is no "
+            "variable of the checkpoint): the schedule is in no file here, "
+            "and a default rate would resume at the wrong one. Pass the "
+            "optimizer with its schedule (`restore_checkpoint(model, path, "
+            "optimizer=...)`, or `load_legacy(path, model=compiled_model)`).")
+    config["learning_rate"] = float(state.learning_rate)
     if "m" in slot_set and "vhat" in slot_set:
         config["amsgrad"] = True
     warnings.warn(
@@ -302,6 +311,7 @@ def fill_optimizer(record, optimizer, mapping, model, placed=None):
     placed = [] if placed is None else placed
     state = record.optimizer
     inner = getattr(optimizer, "inner_optimizer", optimizer)
+    _warn_other_class(record, inner)
     if not optimizer.built:
         optimizer.build(model.trainable_variables)
     inner.iterations.assign(int(state.iterations))
@@ -371,6 +381,26 @@ def fill_optimizer(record, optimizer, mapping, model, placed=None):
         optimizer.step_counter.assign(
             int(state.hyperparameters.get("good_steps") or 0))
     return optimizer
+
+
+def _class_of(name):
+    return configs.CLASS_NAMES.get(str(name or "").lower())
+
+
+def _warn_other_class(record, optimizer):
+    """The state of one optimizer class loaded into another (a model
+    compiled with Adam given for a Nadam checkpoint): their slots of the
+    same names are loaded, and training goes on under the other rule."""
+    saved = _class_of(record.optimizer.class_name)
+    given = next((_class_of(cls.__name__) for cls in type(optimizer).__mro__
+                  if _class_of(cls.__name__)), None)
+    if saved and given and saved != given:
+        warnings.warn(
+            f"{record.path} holds the state of a {saved} optimizer, and the "
+            f"model given is compiled with {given}: the slots of the same "
+            f"names are loaded into the {given}, and training goes on under "
+            f"its rule, not {saved}'s. Compile the model with {saved} to "
+            "resume exactly.", stacklevel=4)
 
 
 def _unused_buffer(optimizer, slot):

@@ -145,6 +145,8 @@ def read_checkpoint(prefix, _record=None):
     optimizer = root.get("optimizer")
     if optimizer is None:
         optimizer = graph.children(model).get("optimizer")
+    if optimizer is None and record.format == "checkpoint":
+        optimizer = _optimizer_by_structure(graph, root, model)
     paths = _read_model_weights(graph, model, optimizer, record)
     if optimizer is not None and not graph.children(optimizer) and not (
             graph.nodes[optimizer]["slot_variables"]):
@@ -157,6 +159,30 @@ def read_checkpoint(prefix, _record=None):
     elif record.format == "checkpoint":
         record.warnings.append("The checkpoint holds no optimizer.")
     return record
+
+
+def _is_optimizer(graph, node):
+    children = graph.children(node)
+    if any(name in children for name in ("_iterations", "iter")):
+        return True
+    # A LossScaleOptimizer: its inner optimizer holds the iterations.
+    return any(name in children and _is_optimizer(graph, children[name])
+               for name in ("inner_optimizer", "base_optimizer",
+                            "_optimizer"))
+
+
+def _optimizer_by_structure(graph, root, model):
+    """A ``tf.train.Checkpoint(net=model, opt=optimizer)`` names the
+    optimizer as its writer chose: the child of the root that is one (its
+    iteration count tells it), when there is one."""
+    found = sorted(name for name, node in root.items()
+                   if node != model and _is_optimizer(graph, node))
+    if len(found) > 1:
+        raise LegacyFormatError(
+            f"{graph.path}: the checkpoint holds several optimizers "
+            f"({found}): expected one, under `optimizer` or as the only "
+            "one.", path=graph.path, key=",".join(found))
+    return root[found[0]] if found else None
 
 
 def _has_layers(graph, node):
@@ -202,7 +228,7 @@ def _read_model_weights(graph, model, optimizer, record):
     by its own path (``layer_with_weights-1/layer_with_weights-0/kernel``),
     not by an alias list that also reaches it; a variable only an alias
     reaches keeps the alias path."""
-    found, taken = {}, set()
+    found, taken, generators = {}, set(), set()
     for aliases in (False, True):
         stack = [(model, "")]
         walked = {model, optimizer}
@@ -216,11 +242,21 @@ def _read_model_weights(graph, model, optimizer, record):
                                                      "layer-")):
                     continue
                 walked.add(child)
+                if name == "_random_generator":
+                    # tf_keras' augmentation RNG state: Keras 3 layers
+                    # keep none in their weights (a SeedGenerator).
+                    generators.add(path)
+                    continue
                 if graph.attribute(child) is None:
                     stack.append((child, top))
                 elif child not in taken:
                     taken.add(child)
                     found[top] = child
+    if generators:
+        record.warnings.append(
+            "The random generator state of the layers "
+            f"{sorted(generators, key=_natural)} is not migrated: Keras 3 "
+            "layers draw from a seed generator of their own.")
     for path in sorted(found, key=_natural):
         node = found[path]
         record.weights[path] = graph.value(node)
