@@ -54,6 +54,11 @@ class SwapAverage(keras.callbacks.Callback):
             ``EarlyStopping`` after this callback to act on them).
         slot: Which average, for strategies keeping several (PowerEMA).
 
+    A ``fit()``, ``evaluate()`` or ``predict()`` that ends in an exception
+    (Keras then calls no ``*_end``) leaves nothing behind: the next call
+    with this callback puts the raw weights back first, and an
+    ``evaluate()`` after an interrupted ``fit()`` ends on them.
+
     Example:
 
     ```python
@@ -165,6 +170,11 @@ class AveragedCheckpoint(keras.callbacks.Callback):
             keys, e.g. ``"avg-{epoch:02d}-{val_loss:.3f}.keras"``.
         save_freq: Save every ``save_freq`` epochs.
         slot: Which average, for strategies keeping several (PowerEMA).
+
+    A ``fit()``, ``evaluate()`` or ``predict()`` that ends in an exception
+    (Keras then calls no ``*_end``) leaves nothing behind: the next call
+    with this callback puts the raw weights back first, and an
+    ``evaluate()`` after an interrupted ``fit()`` ends on them.
 
     Example:
 

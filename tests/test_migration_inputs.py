@@ -162,3 +162,57 @@ def test_augmentation_layers_migrate(tmp_path, fmt):
     if fmt == "savedmodel":
         record = savedmodel.inspect(str(tmp_path / fmt))
         assert any("random generator state" in w for w in record.warnings)
+
+
+class _K3Net(keras.Model):
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.d1 = keras.layers.Dense(3, name="d1")
+        self.d2 = keras.layers.Dense(2, name="d2")
+
+    def call(self, x):
+        return self.d2(self.d1(x))
+
+
+@pytest.mark.parametrize("fmt", ["ckpt", "savedmodel"])
+def test_subclassed_model_resumes_like_tf_keras(tmp_path, fmt):
+    # Its layers are attributes (`d1/kernel`), not `layer-N` children, and
+    # its variables are named under the model's own name (`k2_net/d1/...`).
+    class K2Net(k2.Model):
+        def __init__(self):
+            super().__init__(name="k2_net")
+            self.d1 = k2.layers.Dense(3, name="d1")
+            self.d2 = k2.layers.Dense(2, name="d2")
+
+        def call(self, x):
+            return self.d2(self.d1(x))
+
+    batches = _batches(5)
+    net = K2Net()
+    net.compile(optimizer=k2.optimizers.Adam(0.01), loss="mse")
+    for x, y in batches[:3]:
+        net.train_on_batch(x, y)
+    if fmt == "ckpt":
+        path = str(tmp_path / "ckpt")
+        tf.train.Checkpoint(model=net, optimizer=net.optimizer).write(path)
+    else:
+        path = str(tmp_path / "savedmodel")
+        net.save(path, save_format="tf")
+
+    def build():
+        model = _K3Net(name="k3_net")
+        model(np.zeros((1, 4), "float32"))
+        model.compile(optimizer=keras_ema_opt.Adam(0.01), loss="mse")
+        return model
+
+    model = savedmodel.load_legacy(path, model=build)
+    assert int(to_numpy(model.optimizer.iterations)) == 3
+    for x, y in batches[3:]:
+        net.train_on_batch(x, y)
+        model.train_on_batch(x, y)
+    for layer in ("d1", "d2"):
+        for weight in ("kernel", "bias"):
+            np.testing.assert_allclose(
+                to_numpy(getattr(getattr(model, layer), weight)),
+                getattr(getattr(net, layer), weight).numpy(),
+                rtol=1e-5, atol=1e-6)

@@ -219,7 +219,11 @@ def _natural(path):
 _ALIASES = frozenset({
     "keras_api", "variables", "trainable_variables",
     "non_trainable_variables", "trainable_weights", "non_trainable_weights",
-    "weights", "regularization_losses", "signatures"})
+    "weights", "regularization_losses", "signatures", "__call__",
+    "call_and_return_all_conditional_losses",
+    "call_and_return_conditional_losses", "_default_save_signature",
+    "train_function", "train_tf_function", "test_function",
+    "predict_function"})
 
 
 def _read_model_weights(graph, model, optimizer, record):
@@ -227,7 +231,16 @@ def _read_model_weights(graph, model, optimizer, record):
     ``record``; returns ``{node id: object path}``. Each variable is keyed
     by its own path (``layer_with_weights-1/layer_with_weights-0/kernel``),
     not by an alias list that also reaches it; a variable only an alias
-    reaches keeps the alias path."""
+    reaches keeps the alias path. A subclassed model (no ``layer-N``
+    children: its layers are attributes, ``d1/kernel``) is read under its
+    attribute names."""
+    layered = _has_layers(graph, model)
+
+    def top_level(name):
+        if layered:
+            return name.startswith(("layer_with_weights-", "layer-"))
+        return name not in _ALIASES and name != "optimizer"
+
     found, taken, generators = {}, set(), set()
     for aliases in (False, True):
         stack = [(model, "")]
@@ -238,8 +251,7 @@ def _read_model_weights(graph, model, optimizer, record):
                 if child in walked or (name in _ALIASES and not aliases):
                     continue
                 top = (path + "/" + name).lstrip("/")
-                if not top.split("/")[0].startswith(("layer_with_weights-",
-                                                     "layer-")):
+                if not top_level(top.split("/")[0]):
                     continue
                 walked.add(child)
                 if name == "_random_generator":
@@ -257,10 +269,19 @@ def _read_model_weights(graph, model, optimizer, record):
             "The random generator state of the layers "
             f"{sorted(generators, key=_natural)} is not migrated: Keras 3 "
             "layers draw from a seed generator of their own.")
+    names = {path: graph.name(node) or path for path, node in found.items()}
+    if not layered:
+        # A subclassed Keras 2 model's variables are named under the
+        # model's own name (`k2_net/d1/kernel`), which the Keras 3 model
+        # that takes them has not: the layers' names are what they share.
+        heads = {name.split("/")[0] for name in names.values()}
+        if len(heads) == 1 and all(name.count("/") >= 2
+                                   for name in names.values()):
+            names = {path: name.split("/", 1)[1]
+                     for path, name in names.items()}
     for path in sorted(found, key=_natural):
-        node = found[path]
-        record.weights[path] = graph.value(node)
-        record.names[path] = graph.name(node) or path
+        record.weights[path] = graph.value(found[path])
+        record.names[path] = names[path]
     return {node: path for path, node in found.items()}
 
 
