@@ -177,6 +177,52 @@ def test_custom_loop_with_track_non_trainable():
     _assert_stat_averages(optimizer, model.layers[1], initial, stats)
 
 
+@pytest.mark.parametrize("how", ["compute_gradients", "minimize"])
+def test_forward_pass_state_changes_in_a_custom_loop(how):
+    # The forward pass of compute_gradients / minimize updates BatchNorm's
+    # moving statistics (and the dropout seed) on every backend: on JAX its
+    # stateless evaluation dropped those updates, so the statistics (and
+    # their averages) never moved and every step drew the same mask.
+    keras.utils.set_random_seed(0)
+    dense = keras.layers.Dense(3)
+    norm = keras.layers.BatchNormalization(momentum=0.9)
+    model = keras.Sequential([keras.Input((3,)), dense, norm,
+                              keras.layers.Dropout(0.5)])
+    optimizer = keras_ema_opt.SGD(0.0, averaging=keras_ema_opt.EMA(
+        0.5, include_non_trainable=True))
+    optimizer.track_non_trainable(model)
+    optimizer.build(model.trainable_variables)
+    x, _ = _data()
+    kernel = to_numpy(dense.kernel).astype("float64")
+    bias = to_numpy(dense.bias).astype("float64")
+    mean = np.zeros(3)  # float64 reference: m <- 0.9 m + 0.1 batch mean
+    average = mean.copy()
+    masks = []
+    for i in range(3):
+        batch = x[8 * i: 8 * i + 8]
+
+        def loss():
+            return keras.ops.sum(model(batch, training=True))
+
+        if how == "minimize":
+            optimizer.minimize(loss, model.trainable_variables)
+        else:
+            grads = optimizer.compute_gradients(loss,
+                                                model.trainable_variables)
+            masks.append(to_numpy(grads[0][0]))
+            optimizer.apply_gradients(grads)
+        mean = 0.9 * mean + 0.1 * (batch.astype("float64") @ kernel
+                                   + bias).mean(axis=0)
+        average = 0.5 * average + 0.5 * mean
+        np.testing.assert_allclose(to_numpy(norm.moving_mean), mean,
+                                   rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(
+            to_numpy(optimizer.average_of(norm.moving_mean)), average,
+            rtol=1e-5, atol=1e-6)
+    if masks:  # a new dropout mask at each step (seed state carried)
+        assert not np.allclose(masks[0], masks[1])
+
+
 def test_keras_file_carries_statistics_averages(tmp_path):
     averaging = keras_ema_opt.EMA(M, include_non_trainable=True,
                                   finalize=False)

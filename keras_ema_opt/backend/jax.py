@@ -191,13 +191,41 @@ def compute_gradients(loss, var_list, tape=None):
         loss()
         var_list = var_list()
     var_list = list(var_list)
+    differentiated = {id(v) for v in var_list}
+    updated = []  # the other variables the loss assigned, in order
 
     def total(values):
-        with StatelessScope(state_mapping=list(zip(var_list, values))):
-            return jnp.sum(loss())
+        with _Recording(state_mapping=list(zip(var_list, values))) as scope:
+            value = jnp.sum(loss())
+        updated[:] = [v for v in scope.assigned_variables
+                      if id(v) not in differentiated]
+        return value, [scope.get_current_value(v) for v in updated]
 
-    grads = jax.grad(total)([v.value for v in var_list])
+    grads, new_values = jax.grad(total, has_aux=True)(
+        [v.value for v in var_list])
+    # What the forward pass changed besides the variables differentiated
+    # (BatchNorm's moving statistics, a dropout seed), as TensorFlow's and
+    # PyTorch's eager passes change it.
+    for variable, value in zip(updated, new_values):
+        variable.assign(value)
     return list(zip(grads, var_list))
+
+
+class _Recording(StatelessScope):
+    """A ``StatelessScope`` that also keeps the variables assigned in it
+    (Keras' keeps their values by ``id`` only)."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self._assigned = {}
+
+    def add_update(self, update):
+        super().add_update(update)
+        self._assigned.setdefault(id(update[0]), update[0])
+
+    @property
+    def assigned_variables(self):
+        return list(self._assigned.values())
 
 
 def aggregate_gradients(optimizer, grads_and_vars):
