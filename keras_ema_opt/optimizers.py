@@ -81,9 +81,13 @@ def contract_class(keras_cls):
     """``keras_cls`` with the Keras 2 contract and averaging in front of it.
 
     The class is made once per Keras class and registered as Keras
-    serializable under ``keras_ema_opt>`` + its name, so ``.keras`` files
-    holding it load once this function has run for the same class (the
-    named optimizers are made at import).
+    serializable: a class of Keras' own under ``keras_ema_opt>`` + its name
+    (made at import for every Keras optimizer, so ``.keras`` files of
+    ``averaged(keras.optimizers.Muon(...))`` load in a new process); any
+    other class (a user's subclass, which may share a Keras name) under
+    ``keras_ema_opt>`` + its module and qualified name, which never takes
+    the place of Keras' own. A file holding such a class loads once this
+    function has run for it.
 
     Args:
         keras_cls: A subclass of ``keras.optimizers.Optimizer``.
@@ -130,11 +134,22 @@ def contract_class(keras_cls):
             "__qualname__": name,
         },
     )
-    cls = keras.saving.register_keras_serializable(package="keras_ema_opt")(
-        cls
-    )
+    cls = keras.saving.register_keras_serializable(
+        package="keras_ema_opt", name=_registered_name(keras_cls))(cls)
     _CONTRACT_CLASSES[keras_cls] = cls
     return cls
+
+
+def _registered_name(keras_cls):
+    """``Adam`` for Keras' own classes (and its backend variants of them),
+    ``module.Qualname`` for any other class."""
+    name = keras_cls.__name__
+    own = getattr(keras.optimizers, name, None)
+    package = keras_cls.__module__.split(".")[0]
+    if isinstance(own, type) and issubclass(keras_cls, own) and (
+            package in ("keras", "keras_ema_opt")):
+        return name
+    return f"{keras_cls.__module__}.{keras_cls.__qualname__}"
 
 
 def _named(name):
@@ -161,6 +176,17 @@ RMSprop = _named("RMSprop")
 Ftrl = _named("Ftrl")
 Lion = _named("Lion")
 Adafactor = _named("Adafactor")
+
+# Keras' other optimizers (Lamb, Muon, ScheduleFreeAdamW, ...), made here
+# so that a `.keras` file of `averaged(keras.optimizers.Muon(...))` finds
+# its class in a new process; the wrappers are not update rules.
+_WRAPPERS = ("Optimizer", "LossScaleOptimizer", "MultiOptimizer")
+for _name, _cls in sorted(vars(keras.optimizers).items()):
+    if isinstance(_cls, type) and issubclass(
+            _cls, keras.optimizers.Optimizer) and _name == _cls.__name__ and (
+            _name not in NAMES + _WRAPPERS):
+        _named(_name)
+del _name, _cls
 
 
 def averaged(optimizer, averaging):
@@ -273,3 +299,6 @@ class AveragedLossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
 
     def save_snapshot(self, directory=None):
         return self.inner_optimizer.save_snapshot(directory)
+
+    def track_non_trainable(self, model):
+        return self.inner_optimizer.track_non_trainable(model)

@@ -293,6 +293,31 @@ def test_loss_scale_optimizer_averages_statistics():
                           record.stats)
 
 
+@only_on("tensorflow", "torch")  # Keras' own LossScaleOptimizer cannot
+# take an eager step on JAX (UnexpectedTracerError), ours or not
+def test_loss_scale_optimizer_in_a_custom_loop_tracks_the_model():
+    # averaged(LossScaleOptimizer(...)) had no track_non_trainable, which
+    # its build error asks for.
+    model = _model()
+    initial = [to_numpy(v) for v in model.layers[1].non_trainable_variables]
+    optimizer = keras_ema_opt.averaged(
+        keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(0.05)),
+        keras_ema_opt.EMA(M, include_non_trainable=True))
+    optimizer.track_non_trainable(model)
+    optimizer.build(model.trainable_variables)
+    x, _ = _data()
+    stats = []
+    for i in range(3):
+        batch = x[8 * i: 8 * i + 8]
+        grads_and_vars = optimizer.inner_optimizer.compute_gradients(
+            lambda: keras.ops.mean(model(batch, training=True)),
+            model.trainable_variables)
+        optimizer.apply_gradients(grads_and_vars)
+        stats.append([to_numpy(v).astype("float64")
+                      for v in model.layers[1].non_trainable_variables])
+    _assert_stat_averages(optimizer, model.layers[1], initial, stats)
+
+
 @only_on("jax")
 def test_stateless_step_without_statistics_warns():
     model = _model()
