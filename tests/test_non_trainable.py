@@ -162,19 +162,26 @@ def test_custom_loop_with_track_non_trainable():
     optimizer.track_non_trainable(model)
     # Averages start as copies of the variables when the optimizer is built.
     optimizer.build(model.trainable_variables)
+    stats = _custom_loop(optimizer, optimizer, model)
+    # compute_gradients ran the forward pass once: one statistics update per
+    # step, which the average sees.
+    _assert_stat_averages(optimizer, model.layers[1], initial, stats)
+
+
+def _custom_loop(optimizer, differentiating, model, steps=3):
+    """``steps`` of ``compute_gradients`` (by ``differentiating``) and
+    ``apply_gradients``; the statistics after each, in float64."""
     x, _ = _data()
     stats = []
-    for i in range(3):
+    for i in range(steps):
         batch = x[8 * i: 8 * i + 8]
-        grads_and_vars = optimizer.compute_gradients(
+        grads_and_vars = differentiating.compute_gradients(
             lambda: keras.ops.mean(model(batch, training=True)),
             model.trainable_variables)
         optimizer.apply_gradients(grads_and_vars)
         stats.append([to_numpy(v).astype("float64")
                       for v in model.layers[1].non_trainable_variables])
-    # compute_gradients ran the forward pass once: one statistics update per
-    # step, which the average sees.
-    _assert_stat_averages(optimizer, model.layers[1], initial, stats)
+    return stats
 
 
 @pytest.mark.parametrize("how", ["compute_gradients", "minimize"])
@@ -305,16 +312,7 @@ def test_loss_scale_optimizer_in_a_custom_loop_tracks_the_model():
         keras_ema_opt.EMA(M, include_non_trainable=True))
     optimizer.track_non_trainable(model)
     optimizer.build(model.trainable_variables)
-    x, _ = _data()
-    stats = []
-    for i in range(3):
-        batch = x[8 * i: 8 * i + 8]
-        grads_and_vars = optimizer.inner_optimizer.compute_gradients(
-            lambda: keras.ops.mean(model(batch, training=True)),
-            model.trainable_variables)
-        optimizer.apply_gradients(grads_and_vars)
-        stats.append([to_numpy(v).astype("float64")
-                      for v in model.layers[1].non_trainable_variables])
+    stats = _custom_loop(optimizer, optimizer.inner_optimizer, model)
     _assert_stat_averages(optimizer, model.layers[1], initial, stats)
 
 
