@@ -14,10 +14,10 @@
 import os
 
 import keras
-import numpy as np
 
 from keras_ema_opt import backend
 from keras_ema_opt import distributed
+from keras_ema_opt.averaging import strategies
 from keras_ema_opt.errors import InvalidArgumentError
 
 
@@ -76,17 +76,9 @@ class SwapAverage(keras.callbacks.Callback):
 
     def __init__(self, swap_on_epoch=False, slot=0):
         super().__init__()
-        if not isinstance(swap_on_epoch, (bool, np.bool_)):
-            raise InvalidArgumentError(
-                "`swap_on_epoch` must be True or False. Received: "
-                f"swap_on_epoch={swap_on_epoch!r}")
-        if isinstance(slot, bool) or not isinstance(
-                slot, (int, np.integer)) or slot < 0:
-            raise InvalidArgumentError(
-                "`slot` must be an integer >= 0 (which average, for "
-                f"strategies keeping several). Received: slot={slot!r}")
-        self.swap_on_epoch = bool(swap_on_epoch)
-        self.slot = int(slot)
+        self.swap_on_epoch = strategies._check_bool("swap_on_epoch",
+                                                    swap_on_epoch)
+        self.slot = strategies._check_int("slot", slot, 0)
         self._open = None
 
     @property

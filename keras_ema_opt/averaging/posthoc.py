@@ -87,6 +87,10 @@ def _storable(array):
     return array.astype(np.float32)
 
 
+# What numpy raises on a damaged or truncated .npz.
+_UNREADABLE = (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile)
+
+
 def _snapshot_error(path, problem):
     return InvalidArgumentError(
         f"{path} is not a readable power-EMA snapshot: {problem}")
@@ -96,8 +100,7 @@ def _read_meta(path):
     try:
         with np.load(path) as data:
             meta = json.loads(bytes(data["__meta__"]).decode())
-    except (OSError, ValueError, KeyError, EOFError,
-            zipfile.BadZipFile) as e:
+    except _UNREADABLE as e:
         raise _snapshot_error(path, f"{type(e).__name__}: {e}") from e
     if not isinstance(meta, dict) or not isinstance(
             meta.get("step"), int) or not isinstance(
@@ -112,8 +115,7 @@ def _read_arrays(path):
     try:
         with np.load(path) as data:
             return {k: data[k] for k in data.files if k != "__meta__"}
-    except (OSError, ValueError, KeyError, EOFError,
-            zipfile.BadZipFile) as e:
+    except _UNREADABLE as e:
         raise _snapshot_error(path, f"{type(e).__name__}: {e}") from e
 
 

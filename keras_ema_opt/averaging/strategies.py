@@ -43,10 +43,8 @@ def _check_average_dtype(value):
         return None
     try:
         dtype = keras.backend.standardize_dtype(value)
-    except (ValueError, TypeError) as e:
-        raise InvalidArgumentError(
-            f"`average_dtype` must be None or one of {_AVERAGE_DTYPES}. "
-            f"Received: average_dtype={value!r}") from e
+    except (ValueError, TypeError):
+        dtype = None
     if dtype not in _AVERAGE_DTYPES:
         # An integer or bool average truncates every update.
         raise InvalidArgumentError(
