@@ -21,6 +21,7 @@ model.compile(optimizer=keras_ema_opt.AdamW(use_ema=True), loss="mse")
 import keras
 
 from keras_ema_opt import callbacks
+from keras_ema_opt import compat
 from keras_ema_opt import distributed
 from keras_ema_opt import errors
 from keras_ema_opt import averaging

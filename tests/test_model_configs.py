@@ -4,7 +4,8 @@ Models over the layers whose config or weights changed between Keras 2 and
 3 (``InputLayer``'s ``batch_input_shape``, convolutions, depthwise and
 separable ones, BatchNormalization fused and not, recurrent layers with
 masks, Bidirectional, TimeDistributed, MultiHeadAttention's tensor
-arguments, nested models as outputs, dtype policies) are made by real
+arguments, nested models as outputs, dtype policies, ConvLSTM, Keras 2's
+``hard_sigmoid`` and Attention's ``score_mode="dot"``) are made by real
 tf_keras (``tests/scripts/make_layer_artifacts.py``, in a subprocess),
 saved as ``.h5`` and SavedModel; migrated, each must predict what tf_keras
 predicted, with every weight placed.
@@ -29,7 +30,8 @@ pytest.importorskip("tf_keras")
 
 SCRIPT = os.path.join(ROOT, "tests", "scripts", "make_layer_artifacts.py")
 MODELS = ["batch_input_shape", "convolutions", "normalization", "recurrent",
-          "attention", "nested_outputs", "mixed_precision"]
+          "attention", "nested_outputs", "mixed_precision",
+          "changed_meanings"]
 FORMATS = {"h5": "model.h5", "savedmodel": "savedmodel"}
 
 
@@ -65,6 +67,30 @@ def _tolerance(name, want):
     if name != "mixed_precision":
         return {"rtol": 1e-5, "atol": 1e-5}
     return {"rtol": 2.0 ** -6, "atol": 2.0 ** -5 * float(np.abs(want).max())}
+
+
+def test_changed_meanings_survive_a_keras3_save(layer_artifacts, tmp_path):
+    """Keras 2's ``hard_sigmoid`` (slope 0.2; Keras 3's is 1/6) stays
+    Keras 2's in the migrated model and in its ``.keras`` file, and
+    ``score_mode`` stays the string ``"dot"``."""
+    import keras
+
+    folder = os.path.join(layer_artifacts, "changed_meanings")
+    io = np.load(os.path.join(folder, "io.npz"))
+    model = load_legacy(os.path.join(folder, "model.h5"))
+    path = str(tmp_path / "model.keras")
+    model.save(path)
+    reloaded = keras.saving.load_model(path)
+    np.testing.assert_allclose(
+        to_numpy(reloaded.predict(io["x"], verbose=0)), io["y0"],
+        rtol=1e-5, atol=1e-5)
+    attention = next(layer for layer in reloaded.layers
+                     if type(layer).__name__ == "Attention")
+    assert attention.score_mode == "dot"
+    x = np.array([-3.0, -1.0, 0.0, 1.0, 3.0], "float32")
+    np.testing.assert_allclose(
+        to_numpy(reloaded.layers[2].activation(x)),
+        np.clip(0.2 * x + 0.5, 0.0, 1.0), rtol=1e-6)
 
 
 def test_dtype_policy_comes_through(layer_artifacts):

@@ -4,6 +4,8 @@
   optimizer.
 - ``LegacyNadam``, ``LegacyAdagrad``, ``LegacyRMSprop``: the OptimizerV2
   rules that Keras 3 changed.
+- ``keras2_hard_sigmoid``: Keras 2's ``hard_sigmoid`` (Keras 3's has
+  another slope), which migrated models use where theirs named it.
 - ``RestoredOptimizer`` / ``register_savedmodel_revival()``: Keras 2
   optimizers revived by ``tf.saved_model.load`` (TensorFlow needed), with
   ``to_keras(model)``.
@@ -19,6 +21,7 @@ optimizer = from_legacy_config({"class_name": "Custom>Adam",
 ```
 """
 
+from keras_ema_opt.compat.activations import keras2_hard_sigmoid
 from keras_ema_opt.compat.configs import from_legacy_config
 from keras_ema_opt.compat.legacy_rules import LegacyAdagrad
 from keras_ema_opt.compat.legacy_rules import LegacyNadam
@@ -31,6 +34,7 @@ __all__ = [
     "LegacyNadam",
     "LegacyRMSprop",
     "from_legacy_config",
+    "keras2_hard_sigmoid",
     "register_savedmodel_revival",
 ]
 

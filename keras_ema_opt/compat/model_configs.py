@@ -9,11 +9,14 @@ any other value is refused with an error naming the layer, the argument and
 its value, never dropped silently.
 """
 
+from keras_ema_opt.compat.activations import CHANGED_ACTIVATIONS
 from keras_ema_opt.errors import LegacyConfigError
 
 _ANY = object()
 _RNN = {"time_major": (False,)}
 _GROUPLESS = {"groups": (1, None)}
+# Layer config keys that name an activation function.
+_ACTIVATION_KEYS = ("activation", "recurrent_activation")
 
 # class name -> {removed argument: values that are safe to drop}
 REMOVED_ARGUMENTS = {
@@ -22,6 +25,9 @@ REMOVED_ARGUMENTS = {
     "SimpleRNN": _RNN,
     "CuDNNLSTM": _RNN,
     "CuDNNGRU": _RNN,
+    "ConvLSTM1D": _RNN,
+    "ConvLSTM2D": _RNN,
+    "ConvLSTM3D": _RNN,
     "DepthwiseConv1D": _GROUPLESS,
     "DepthwiseConv2D": _GROUPLESS,
     "Conv1DTranspose": _GROUPLESS,
@@ -50,6 +56,12 @@ REMOVED_ARGUMENTS = {
                            "adjustment": (None,)},
 }
 
+
+# class name -> string arguments whose Keras 2 values are also the names of
+# functions of `keras.layers`. Keras 3's legacy reader turns any string of
+# a config that names such a function into the function (`score_mode="dot"`
+# became `keras.layers.dot`, which Attention refuses).
+STRING_ARGUMENTS = {"Attention": ("score_mode",)}
 
 # Keys under which a layer's config holds the config of another layer (or
 # cell) that Keras 3 deserializes with its new-style deserializer, which
@@ -88,13 +100,40 @@ def upgrade_model_config(config):
       ``batch_input_shape`` and BatchNormalization's ``axis=[3]``);
     - wrapped layers and cells (``Bidirectional``, ``TimeDistributed``,
       ``RNN(cell=...)``) without a ``"module"`` get Keras' own, as the
-      new-style deserializer needs.
+      new-style deserializer needs;
+    - activations whose name means another function in Keras 3
+      (``"hard_sigmoid"``, ``activations.CHANGED_ACTIVATIONS``) name the
+      Keras 2 function instead.
 
     Raises:
         LegacyConfigError: a removed argument with a value that mattered
             (``time_major=True``, ``renorm=True``, ...), naming the layer.
     """
     return _upgrade(config, parent_key=None)
+
+
+def kept_strings(config):
+    """``custom_objects`` entries that keep the ``STRING_ARGUMENTS`` of a
+    Keras 2 model config strings (``{"dot": "dot"}``) while Keras 3 builds
+    it: its reader looks names up there first, and a string is no
+    function."""
+    found = {}
+
+    def walk(item):
+        if isinstance(item, list):
+            for value in item:
+                walk(value)
+        elif isinstance(item, dict):
+            inner = item.get("config")
+            for key in STRING_ARGUMENTS.get(item.get("class_name"), ()):
+                value = inner.get(key) if isinstance(inner, dict) else None
+                if isinstance(value, str):
+                    found[value] = value
+            for value in item.values():
+                walk(value)
+
+    walk(config)
+    return found
 
 
 def _upgrade(config, parent_key):
@@ -113,6 +152,11 @@ def _upgrade(config, parent_key):
         inner["layers"] = [_legacy_form(layer) for layer in inner["layers"]]
     if parent_key is None:
         out = _legacy_form(out)
+    if isinstance(inner, dict):
+        for key in _ACTIVATION_KEYS:
+            value = inner.get(key)
+            if isinstance(value, str) and value in CHANGED_ACTIVATIONS:
+                inner[key] = CHANGED_ACTIVATIONS[value]
     if isinstance(inner, dict) and _is_policy(inner.get("dtype")):
         inner["dtype"] = inner["dtype"]["config"]["name"]
     if isinstance(out.get("inbound_nodes"), list):

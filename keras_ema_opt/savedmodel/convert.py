@@ -48,11 +48,14 @@ def build_model(record, custom_objects=None, safe_mode=True):
     from keras.src.legacy.saving import saving_utils
     from keras.src.saving.serialization_lib import SafeModeScope
 
-    from keras_ema_opt.compat.model_configs import upgrade_model_config
+    from keras_ema_opt.compat import model_configs
 
-    config = upgrade_model_config(json.loads(json.dumps(config)))
+    config = model_configs.upgrade_model_config(
+        json.loads(json.dumps(config)))
+    custom_objects = {**model_configs.kept_strings(config),
+                      **(custom_objects or {})}
     try:
-        with keras.saving.custom_object_scope(custom_objects or {}), \
+        with keras.saving.custom_object_scope(custom_objects), \
                 SafeModeScope(safe_mode):
             return saving_utils.model_from_config(
                 config, custom_objects=custom_objects)

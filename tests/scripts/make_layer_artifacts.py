@@ -99,6 +99,19 @@ def _attention():
     return k2.Model(inputs, outputs), np.random.RandomState(4).randn(2, 5, 8)
 
 
+def _changed_meanings():
+    # Config values that read as something else in Keras 3: ConvLSTM's
+    # `time_major=False`, its default recurrent_activation "hard_sigmoid"
+    # (another slope in Keras 3), a Dense's "hard_sigmoid", and
+    # Attention's default score_mode "dot" (a function's name there).
+    inputs = k2.Input((3, 6, 2))
+    x = L.ConvLSTM1D(4, 3)(inputs)
+    query = L.Dense(4, activation="hard_sigmoid")(x)
+    outputs = L.Flatten()(L.Attention()([query, x]))
+    return k2.Model(inputs, outputs), np.random.RandomState(7).randn(
+        2, 3, 6, 2)
+
+
 def _nested_outputs():
     # Nested models as the outputs and in the middle (their node indices).
     head = k2.Sequential([L.Dense(3, activation="relu"), L.Dense(2)],
@@ -129,6 +142,7 @@ MODELS = {
     "recurrent": _recurrent,
     "attention": _attention,
     "nested_outputs": _nested_outputs,
+    "changed_meanings": _changed_meanings,
     "mixed_precision": _mixed_precision,
 }
 
