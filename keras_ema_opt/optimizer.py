@@ -124,6 +124,18 @@ def _without_unnamed_schedule(config):
     return config
 
 
+def _check_loss_scale_factor(value):
+    """Keras 3's ``loss_scale_factor``: None or a positive number (Keras
+    divides every gradient by it; a bool there was a misplaced argument)."""
+    if value is None:
+        return
+    if not _is_real_number(value) or not float(value) > 0:
+        raise InvalidArgumentError(
+            "`loss_scale_factor` must be None or a positive number. "
+            f"Received: loss_scale_factor={value!r}"
+        )
+
+
 def _validate_ema(use_ema, ema_momentum, ema_overwrite_frequency):
     """Keras 2's checks of the EMA arguments, made when ``use_ema`` is set."""
     if not use_ema:
@@ -366,6 +378,12 @@ class Optimizer(backend.OptimizerHooks, keras.optimizers.Optimizer):
                     f"order) and name={name!r}. Pass it once."
                 )
             learning_rate, name = 0.001, learning_rate
+            if isinstance(loss_scale_factor, bool):
+                # Keras 2's ninth positional argument is `jit_compile`
+                # (`super().__init__(name, weight_decay, ..., jit_compile)`,
+                # as tf_keras' own optimizers call it); a loss scale is
+                # never a bool.
+                loss_scale_factor, jit_compile = None, loss_scale_factor
         arguments = dict(
             learning_rate=learning_rate,
             weight_decay=weight_decay,
@@ -430,6 +448,7 @@ class Optimizer(backend.OptimizerHooks, keras.optimizers.Optimizer):
         ) and arguments["ema_overwrite_frequency"] == 0:
             # Keras 2 overwrote only on a truthy frequency: 0 is never.
             arguments["ema_overwrite_frequency"] = None
+        _check_loss_scale_factor(arguments.get("loss_scale_factor"))
         jit_compile = arguments.pop("jit_compile", True)
         averaging = arguments.pop("averaging", None)
         follows = averaging is None  # an EMA from use_ema, if any
@@ -473,6 +492,42 @@ class Optimizer(backend.OptimizerHooks, keras.optimizers.Optimizer):
         self.jit_compile = backend.resolve_jit_compile(jit_compile)
         self._gradients_aggregated = False
         backend.on_create(self)
+
+    @property
+    def use_ema(self):
+        """Keras 2's ``use_ema``: whether the optimizer averages.
+
+        Set before the optimizer is built (its first step), ``True`` adds
+        the EMA ``use_ema=True`` makes (of ``ema_momentum``) and ``False``
+        removes the averaging; once built, the averages exist or not, and
+        a change raises ``InvalidArgumentError``.
+        """
+        return self.__dict__.get("_use_ema", False)
+
+    @use_ema.setter
+    def use_ema(self, value):
+        if "_averager" not in self.__dict__:
+            # Keras' own __init__.
+            self.__dict__["_use_ema"] = value
+            return
+        if bool(value) == bool(self.use_ema):
+            return
+        if self.built:
+            raise InvalidArgumentError(
+                f"`use_ema` of {type(self).__name__} cannot change once the "
+                f"optimizer is built (it is {self.use_ema}; received "
+                f"use_ema={value!r}). Set it before the first step, or "
+                "create a new optimizer."
+            )
+        if value:
+            _validate_ema(True, self.ema_momentum,
+                          self.ema_overwrite_frequency)
+            self.averaging = EMA(self.ema_momentum)
+        else:
+            self.averaging = None
+        self._ema_follows_momentum = bool(value)
+        self.__dict__["_use_ema"] = bool(value)
+        self.__dict__.pop("_keo_compiled", None)
 
     @property
     def ema_momentum(self):
@@ -582,6 +637,11 @@ class Optimizer(backend.OptimizerHooks, keras.optimizers.Optimizer):
         Assign a float, or a schedule. Assigning a float to an optimizer
         created with a ``LearningRateSchedule`` raises ``TypeError``.
         """
+        if self.decay and not self.__dict__.get("_keo_in_step"):
+            # OptimizerV2 reads back the rate it was given; the decayed
+            # rate is the step's (LearningRateScheduler and
+            # ReduceLROnPlateau read the rate and write it back).
+            return super()._get_current_learning_rate()
         return self._get_current_learning_rate()
 
     @learning_rate.setter
@@ -891,6 +951,14 @@ class Optimizer(backend.OptimizerHooks, keras.optimizers.Optimizer):
         Under ``torch.distributed`` the gradients of a step that did not
         come through ``apply_gradients`` (``fit()``'s) are first reduced to
         their mean over the ranks (``backend.step_gradients``)."""
+        if self.decay and not self.__dict__.get("_keo_in_step"):
+            # The step reads the decayed rate, in every thread of it (a
+            # tf.distribute merge_call runs outside the replicas' threads).
+            self.__dict__["_keo_in_step"] = True
+            try:
+                return self.apply(grads, trainable_variables)
+            finally:
+                self.__dict__["_keo_in_step"] = False
         grads = backend.step_gradients(self, list(grads))
         grads = backend.prepare_gradients(grads)
         if self.gradient_transformers:
@@ -941,11 +1009,12 @@ class Optimizer(backend.OptimizerHooks, keras.optimizers.Optimizer):
             averager.build(self, variables, extras)
             if model is not None:
                 backend.attach_model(self, model)
-        use_ema, self.use_ema = self.use_ema, False
+        # Keras' build makes an EMA of its own where `use_ema` holds.
+        use_ema, self.__dict__["_use_ema"] = self.use_ema, False
         try:
             super().build(variables)
         finally:
-            self.use_ema = use_ema
+            self.__dict__["_use_ema"] = use_ema
         if averager is not None:
             # Plain Python state, as Keras' own `build` keeps its EMA list
             # (the variables themselves are tracked one by one).
@@ -1053,6 +1122,15 @@ class Optimizer(backend.OptimizerHooks, keras.optimizers.Optimizer):
         self.__dict__["_ema_overwrite_frequency"] = value
 
     def _backend_apply_gradients(self, grads, trainable_variables):
+        if self._averager is not None and self._ema_follows_momentum:
+            # Keras 2's `use_ema` averages (and overwrites) the variables
+            # of the step, those with a gradient, where Keras 3 takes every
+            # variable the optimizer was built with.
+            with self._averager.restricted(trainable_variables):
+                return self._apply_and_overwrite(grads, trainable_variables)
+        return self._apply_and_overwrite(grads, trainable_variables)
+
+    def _apply_and_overwrite(self, grads, trainable_variables):
         frequency = self.ema_overwrite_frequency
         if not frequency or self._averager is None:
             return super()._backend_apply_gradients(grads, trainable_variables)

@@ -11,6 +11,7 @@ from conftest import only_on
 from conftest import to_numpy
 
 import keras_ema_opt
+from keras_ema_opt.errors import InvalidArgumentError
 
 tf_keras = pytest.importorskip("tf_keras")
 tf = pytest.importorskip("tensorflow")
@@ -381,3 +382,126 @@ def test_exclude_from_weight_decay_after_load_model_applies(tmp_path):
     theirs = trained(keras.optimizers.AdamW(0.1, weight_decay=0.5))
     for a, b in zip(ours, theirs):
         np.testing.assert_allclose(a, b, rtol=1e-6)
+
+
+def _tensor(values, theirs):
+    return tf.constant(values) if theirs else keras.ops.convert_to_tensor(
+        values)
+
+
+def _value(variable):
+    return np.asarray(to_numpy(variable))
+
+
+@pytest.mark.parametrize("overwrite", [None, 3])
+def test_use_ema_averages_the_variables_of_the_step(overwrite):
+    """A variable left out of a step (its gradient None) keeps its average
+    and is not overwritten with it, as in tf_keras (Keras 3 moves the
+    averages of every variable the optimizer was built with)."""
+    kw = dict(learning_rate=0.5, use_ema=True, ema_momentum=0.5,
+              ema_overwrite_frequency=overwrite)
+    init = [np.array([1.0, 2.0], "float32"), np.array([3.0], "float32")]
+    runs = {}
+    for theirs in (False, True):
+        variables = ([tf.Variable(w) for w in init] if theirs
+                     else [keras.Variable(w) for w in init])
+        opt = (tf_keras.optimizers.SGD(**kw, jit_compile=False) if theirs
+               else keras_ema_opt.SGD(**kw))
+        ones = [_tensor(np.ones_like(w), theirs) for w in init]
+        opt.apply_gradients(zip(ones, variables))
+        for _ in range(3):
+            opt.apply_gradients([(ones[0], variables[0]),
+                                 (None, variables[1])])
+        averages = (opt._model_variables_moving_average if theirs else
+                    [opt.average_of(v) for v in variables])
+        runs[theirs] = [_value(v) for v in variables + list(averages)]
+    for ours, theirs in zip(runs[False], runs[True]):
+        np.testing.assert_allclose(ours, theirs, rtol=1e-6)
+
+
+@pytest.mark.parametrize("overwrite", [None, 2])
+def test_use_ema_set_after_construction(overwrite):
+    """``optimizer.use_ema = True`` before the first step averages, as in
+    tf_keras (and Keras 3); after it, a change is refused."""
+    init = np.array([1.0, -2.0, 3.0], "float32")
+    runs = {}
+    for theirs in (False, True):
+        var = tf.Variable(init) if theirs else keras.Variable(init)
+        opt = (tf_keras.optimizers.SGD(0.1, jit_compile=False) if theirs
+               else keras_ema_opt.SGD(0.1))
+        opt.use_ema = True
+        opt.ema_momentum = 0.5
+        opt.ema_overwrite_frequency = overwrite
+        for i in range(4):
+            opt.apply_gradients([(_tensor(np.full(3, 1.0 + i, "float32"),
+                                          theirs), var)])
+        opt.finalize_variable_values([var])
+        runs[theirs] = _value(var)
+        if not theirs:
+            assert opt.use_ema
+            with pytest.raises(InvalidArgumentError,
+                               match="cannot change once the optimizer is "
+                                     "built"):
+                opt.use_ema = False
+    np.testing.assert_allclose(runs[False], runs[True], rtol=1e-6)
+    unset = keras_ema_opt.SGD(0.1, use_ema=True)
+    unset.use_ema = False
+    assert unset.averaging is None and not unset.use_ema
+
+
+def test_keras2_positional_base_class_call():
+    """``super().__init__(name, weight_decay, clipnorm, clipvalue,
+    global_clipnorm, use_ema, ema_momentum, ema_overwrite_frequency,
+    jit_compile)``, Keras 2's order, as tf_keras' own optimizers call it:
+    the ninth argument is ``jit_compile`` (it went to Keras 3's
+    ``loss_scale_factor``, and every gradient was divided by False)."""
+
+    def make(base, cast):
+        class PlainSGD(base):
+            def __init__(self, learning_rate=0.1, **kwargs):
+                super().__init__("PlainSGD", None, None, None, None, True,
+                                 0.5, None, False, **kwargs)
+                self._learning_rate = self._build_learning_rate(
+                    learning_rate)
+
+            def update_step(self, gradient, variable):
+                variable.assign_sub(
+                    cast(self.learning_rate, variable.dtype) * gradient)
+
+        return PlainSGD()
+
+    ours = make(keras_ema_opt.Optimizer, keras.ops.cast)
+    theirs = make(tf_keras.optimizers.Optimizer, tf.cast)
+    assert ours.loss_scale_factor is None and not ours.jit_compile
+    assert (ours.name, ours.use_ema, ours.ema_momentum) == (
+        "PlainSGD", True, 0.5)
+    values = []
+    for opt, var, theirs_ in ((ours, keras.Variable([1.0, 2.0]), False),
+                              (theirs, tf.Variable([1.0, 2.0]), True)):
+        for _ in range(2):
+            opt.apply_gradients([(_tensor(np.ones(2, "float32"), theirs_),
+                                  var)])
+        values.append(_value(var))
+    np.testing.assert_allclose(values[0], values[1], rtol=1e-6)
+    with pytest.raises(InvalidArgumentError,
+                       match="loss_scale_factor=True"):
+        keras_ema_opt.SGD(loss_scale_factor=True)
+
+
+def test_decay_learning_rate_reads_the_base_rate():
+    """OptimizerV2's ``decay``: ``learning_rate`` reads back the rate given
+    (the step uses ``lr / (1 + decay t)``); Keras' LearningRateScheduler
+    and ReduceLROnPlateau read it and write it back every epoch, which
+    compounded the decay when the getter returned the decayed rate."""
+    ours = keras_ema_opt.SGD(learning_rate=0.1, decay=0.5)
+    theirs = tf_keras.optimizers.legacy.SGD(learning_rate=0.1, decay=0.5)
+    ours_v, theirs_v = keras.Variable([1.0]), tf.Variable([1.0])
+    for epoch in range(4):
+        theirs.learning_rate = float(
+            tf_keras.backend.get_value(theirs.learning_rate))
+        ours.learning_rate = float(to_numpy(ours.learning_rate))
+        for _ in range(2):
+            ours.apply_gradients([(keras.ops.ones((1,)), ours_v)])
+            theirs.apply_gradients([(tf.ones((1,)), theirs_v)])
+    np.testing.assert_allclose(float(to_numpy(ours.lr)), 0.1, rtol=1e-7)
+    np.testing.assert_allclose(_value(ours_v), theirs_v.numpy(), rtol=1e-6)

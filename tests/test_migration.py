@@ -517,8 +517,12 @@ def test_bad_input_is_a_typed_error_and_leaves_no_file(artifacts, tmp_path,
     assert os.listdir(out) == []
 
 
-@pytest.mark.parametrize("case,cls", [("L_adamax:mlp", "Adamax"),
-                                      ("L_sgd:mlp", "SGD")])
+@pytest.mark.parametrize("case,cls", [
+    ("L_adamax:mlp", "Adamax"), ("L_sgd:mlp", "SGD"),
+    # Ftrl's l1/l2/beta are variables too; centered RMSprop is told by its
+    # `mg` slots; Nadam's decay variable is its schedule_decay.
+    ("L_ftrl:mlp", "Ftrl"), ("L_rmsprop_m:mlp", "RMSprop"),
+    ("L_nadam:mlp", "LegacyNadam")])
 def test_bare_optimizer_v2_checkpoint_rebuilds_its_optimizer(artifacts,
                                                              case, cls):
     """No config in the file: the class comes from the variable names

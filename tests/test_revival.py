@@ -26,6 +26,15 @@ CASES = {
                                                jit_compile=False),
     "legacy_sgd": lambda: tf_keras.optimizers.legacy.SGD(0.05, momentum=0.9),
     "legacy_adam": lambda: tf_keras.optimizers.legacy.Adam(0.01),
+    # Told from their state alone: Nadam by its momentum_cache (which is
+    # state to restore, not an argument), centered RMSprop by its `mg`
+    # slots, Ftrl's regularization strengths from its variables.
+    "legacy_nadam": lambda: tf_keras.optimizers.legacy.Nadam(0.01),
+    "legacy_rmsprop_centered": lambda: tf_keras.optimizers.legacy.RMSprop(
+        0.01, momentum=0.5, centered=True),
+    "legacy_ftrl": lambda: tf_keras.optimizers.legacy.Ftrl(
+        0.05, l1_regularization_strength=0.01,
+        l2_regularization_strength=0.02, beta=0.1),
 }
 # New optimizers keep only lr in their variables; legacy Adam and Adamax
 # share slot names: these need the config (keras_metadata.pb).

@@ -43,6 +43,7 @@ class Averager:
         self.swaps = []  # open swaps (Python state only while open)
         self._folded = set()  # averaged by this step's update (fold_weights)
         self._fold_plan = None  # the plan fold_weights computed, for update
+        self._only = None  # ids of the step's variables, where restricted
 
     # -- state -------------------------------------------------------------
 
@@ -135,12 +136,26 @@ class Averager:
             if slots is None:
                 continue
             if i < self.first_extra:
-                if not extras_only:
+                if not extras_only and (
+                        self._only is None or id(var) in self._only):
                     yield i, var, slots
             elif backend.value_visible(var):
                 yield i, var, slots
             else:
                 self._warn_unseen(optimizer, var)
+
+    @contextlib.contextmanager
+    def restricted(self, variables):
+        """Update and overwrite only ``variables`` among the trainable ones
+        (Keras 2's ``use_ema``: the variables of the step, those with a
+        gradient; a strategy passed as ``averaging=`` averages the whole
+        model every step, as optax and torch-ema do). The non-trainable
+        averages are not affected."""
+        self._only = {id(v) for v in variables}
+        try:
+            yield
+        finally:
+            self._only = None
 
     def overwrite(self, optimizer, frequency, extras_only=False,
                   applied=None):

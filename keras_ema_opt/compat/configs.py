@@ -104,6 +104,48 @@ def from_legacy_config(config, custom_objects=None):
         ) from e
 
 
+# OptimizerV2 variables that hold state, not constructor arguments: Nadam's
+# product of momenta, the loss-scale wrapper's scale and count.
+LEGACY_STATE_VARIABLES = ("iter", "momentum_cache", "current_loss_scale",
+                          "good_steps")
+
+# OptimizerV2 slot name -> the constructor flag its presence tells.
+LEGACY_SLOT_FLAGS = {"vhat": "amsgrad", "mg": "centered"}
+
+
+def legacy_config_from_state(name, hyperparameters, slot_names,
+                             learning_rate):
+    """The OptimizerV2 config of a state saved without one.
+
+    An OptimizerV2 keeps each ``_set_hyper`` argument as a float32 variable
+    (``beta_1``, ``rho``, Ftrl's ``l1_regularization_strength``, Nadam's
+    ``decay``, which is its ``schedule_decay``); each is given back as the
+    shortest decimal that is the same float32 (``0.999``, not
+    ``0.9990000128746033``). Flags that are no variable are told by the
+    slots (``vhat``: ``amsgrad``, ``mg``: ``centered``); arguments that are
+    neither (``epsilon``, ``nesterov``) keep their defaults.
+
+    Args:
+        name: The OptimizerV2 class name (``"Adam"``).
+        hyperparameters: ``{name: value}`` of its non-slot variables.
+        slot_names: The names of its slots.
+        learning_rate: The rate, a float.
+
+    Returns:
+        A config for :func:`from_legacy_config`.
+    """
+    config = {k: float(str(np.float32(v)))
+              for k, v in hyperparameters.items()
+              if k not in LEGACY_STATE_VARIABLES and not k.startswith("_")
+              and np.ndim(v) == 0}
+    config["learning_rate"] = float(str(np.float32(learning_rate)))
+    for slot, flag in LEGACY_SLOT_FLAGS.items():
+        if slot in slot_names:
+            config[flag] = True
+    return {"class_name": name, "module": "keras.optimizers.legacy",
+            "config": config}
+
+
 def _is_optimizer_v2(class_name, module, config):
     if "legacy" in module or "legacy" in class_name.lower():
         return True

@@ -185,15 +185,15 @@ def _restored_class():
                     "`to_keras(model, config=training_config["
                     "'optimizer_config'])`."
                 )
-            name = self._class_name()
-            inner = {"learning_rate": self.learning_rate or 0.001}
-            inner.update(self.hyperparameters)
-            inner["decay"] = inner.get("decay", 0.0)
+            hypers = self.hyperparameters
+            legacy = configs.legacy_config_from_state(
+                self._class_name(), hypers,
+                {s for s, _, _ in self._keo_slot_records},
+                hypers.get("learning_rate", self.learning_rate or 0.001))
+            legacy["config"].setdefault("decay", 0.0)
             if self.averages:
-                inner["use_ema"] = True
-            return configs.from_legacy_config(
-                {"class_name": name, "module": "keras.optimizers.legacy",
-                 "config": inner})
+                legacy["config"]["use_ema"] = True
+            return configs.from_legacy_config(legacy)
 
         def _class_name(self):
             """The OptimizerV2 class, from its slots and hyperparameters."""
@@ -268,6 +268,9 @@ def _fill(optimizer, restored, model):
             slot = averager.slots[index]
             if slot is not None:
                 _assign(slot[0], value, f"average of {model_name}")
+    cache = restored.hyperparameters.get("momentum_cache")
+    if cache is not None and hasattr(inner, "_momentum_cache"):
+        inner._momentum_cache.assign(cache)
     if restored.u_product is not None and hasattr(inner, "_u_product"):
         inner._u_product.assign(
             legacy_rules.nadam_u_product(inner.beta_1, restored.iterations))

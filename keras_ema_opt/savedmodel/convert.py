@@ -279,10 +279,6 @@ def optimizer_from_record(record, custom_objects=None):
     # their slot names); the structure is the fallback.
     known = configs.CLASS_NAMES.get(str(name).lower()) if name else None
     name = known or slot_tables.legacy_class(slot_set, hypers) or name
-    config = {k: v for k, v in hypers.items()
-              if k in ("decay", "beta_1", "beta_2", "rho", "momentum")}
-    if name == "Nadam":
-        config.pop("decay", None)
     if state.learning_rate is None:
         # An OptimizerV2 keeps a constant rate as a variable: none is a
         # schedule (or a callable), which a checkpoint does not store.
@@ -293,17 +289,15 @@ def optimizer_from_record(record, custom_objects=None):
             "and a default rate would resume at the wrong one. Pass the "
             "optimizer with its schedule (`restore_checkpoint(model, path, "
             "optimizer=...)`, or `load_legacy(path, model=compiled_model)`).")
-    config["learning_rate"] = float(state.learning_rate)
-    if "m" in slot_set and "vhat" in slot_set:
-        config["amsgrad"] = True
+    legacy = configs.legacy_config_from_state(
+        name, hypers, slot_set, state.learning_rate)
+    config = legacy["config"]
     warnings.warn(
         f"{record.path}: {name} rebuilt from the checkpoint's "
         f"hyperparameter variables {sorted(config)}; arguments a checkpoint "
         "does not store (epsilon, nesterov, ...) take their defaults. Pass "
         "the optimizer to be exact.", stacklevel=3)
-    return configs.from_legacy_config(
-        {"class_name": name, "module": "keras.optimizers.legacy",
-         "config": config}, custom_objects)
+    return configs.from_legacy_config(legacy, custom_objects)
 
 
 def fill_optimizer(record, optimizer, mapping, model, placed=None):

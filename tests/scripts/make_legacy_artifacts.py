@@ -71,7 +71,9 @@ OPTIMIZERS = {
     "L_rmsprop": _legacy("RMSprop", learning_rate=0.01),
     "L_rmsprop_m": _legacy("RMSprop", learning_rate=0.01, momentum=0.5,
                            centered=True),
-    "L_ftrl": _legacy("Ftrl", learning_rate=0.05),
+    "L_ftrl": _legacy("Ftrl", learning_rate=0.05,
+                      l1_regularization_strength=0.01,
+                      l2_regularization_strength=0.02, beta=0.1),
 }
 
 
