@@ -493,6 +493,16 @@ class Optimizer(backend.OptimizerHooks, keras.optimizers.Optimizer):
         self._gradients_aggregated = False
         backend.on_create(self)
 
+    def __setattr__(self, name, value):
+        # A compiled eager step (JAX; TensorFlow under XLA) holds the
+        # Python attributes it read when traced: a public one set
+        # afterwards (`weight_decay`, `momentum`, `clipnorm`, ...) takes a
+        # new trace, as Keras' own eager step reads it anew.
+        if not name.startswith("_") and name != "built" and (
+                "_keo_compiled" in self.__dict__):
+            self.__dict__.pop("_keo_compiled", None)
+        super().__setattr__(name, value)
+
     @property
     def use_ema(self):
         """Keras 2's ``use_ema``: whether the optimizer averages.

@@ -55,6 +55,17 @@ def test_mirrored_fit_overwrites_with_the_average_as_one_device():
     # Step 6 overwrote the weights with their averages.
     for a, b in zip(mirrored["weights"], mirrored["averages"]):
         np.testing.assert_allclose(a, b, rtol=1e-6)
+    # An eager step outside the scope moves every replica's copy (the
+    # one-kernel average wrote the first copy only); float64 rule.
+    w, a = np.array([1.0, 2.0]), np.array([1.0, 2.0])
+    for _ in range(2):
+        w = w - 0.1
+        a = 0.5 * a + 0.5 * w
+    copies = result["cross_replica"]
+    for kind, want in (("weights", w), ("averages", a)):
+        assert len(copies[kind]) == 2
+        for copy in copies[kind]:
+            np.testing.assert_allclose(copy, want, rtol=1e-6)
 
 
 @only_on("torch")

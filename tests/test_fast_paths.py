@@ -508,3 +508,74 @@ def test_float64_adam_equals_keras_adam():
     np.testing.assert_allclose(train(keras_ema_opt.Adam(0.01)),
                                train(keras.optimizers.Adam(0.01)),
                                rtol=1e-7, atol=1e-10)
+
+
+@only_on("torch")
+def test_a_gradient_of_another_shape_is_keras_own_business():
+    """The fused kernel walks as many gradient elements as the variable
+    has: a (3,) gradient stored at the start of a longer buffer moved the
+    second row by what lay after it. Keras broadcasts it (and refuses a
+    gradient larger than the variable)."""
+    def train(opt):
+        var = keras.Variable(np.zeros((2, 3), "float32"))
+        storage = keras.ops.convert_to_tensor(
+            np.array([1, 1, 1, -1, -1, -1], "float32"))
+        opt.apply_gradients([(storage[:3], var)])
+        return to_numpy(var)
+
+    np.testing.assert_allclose(train(keras_ema_opt.Adam(0.1)),
+                               train(keras.optimizers.Adam(0.1)),
+                               rtol=1e-6)
+    too_long = keras.ops.ones((6,))
+    for opt in (keras_ema_opt.Adam(0.1), keras.optimizers.Adam(0.1)):
+        with pytest.raises(RuntimeError, match="must match"):
+            opt.apply_gradients([(too_long, keras.Variable(np.zeros(3)))])
+
+
+def test_a_gradient_that_is_its_variable_value():
+    """``apply_gradients([(w.value, w)])`` (the gradient of |w|^2 / 2): the
+    value passed as the gradient is not donated with the variable's (JAX's
+    compiled eager step raised 'buffer previously donated')."""
+    results = []
+    for opt in (keras_ema_opt.SGD(0.1, use_ema=True),
+                keras.optimizers.SGD(0.1)):
+        w = keras.Variable(np.array([1.0, 2.0, 3.0], "float32"))
+        for _ in range(2):
+            opt.apply_gradients([(w.value, w)])
+        results.append(to_numpy(w))
+    np.testing.assert_allclose(results[0], results[1], rtol=1e-6)
+
+
+@pytest.mark.parametrize("name,kwargs,attribute,value", [
+    ("AdamW", dict(weight_decay=0.0), "weight_decay", 0.5),
+    ("SGD", dict(momentum=0.9), "momentum", 0.5),
+    ("SGD", dict(), "clipnorm", 0.1),
+    ("Adam", dict(), "beta_1", 0.0),
+])
+def test_a_hyperparameter_set_between_steps_takes_effect(name, kwargs,
+                                                         attribute, value):
+    """A compiled eager step (JAX; TensorFlow under XLA) held the Python
+    attributes it read when traced; Keras' own step reads them anew."""
+    results = []
+    for module in (keras_ema_opt, keras.optimizers):
+        opt = getattr(module, name)(learning_rate=0.1, **kwargs)
+        w = keras.Variable(np.array([1.0, 2.0, 3.0, 4.0], "float32"))
+        grad = keras.ops.convert_to_tensor(
+            np.array([0.5, 1.0, 1.5, 2.0], "float32"))
+        opt.apply_gradients([(grad, w)])
+        setattr(opt, attribute, value)
+        opt.apply_gradients([(grad, w)])
+        results.append(to_numpy(w))
+    np.testing.assert_allclose(results[0], results[1], rtol=1e-6)
+
+
+def test_ema_overwrite_frequency_set_between_steps_takes_effect():
+    opt = keras_ema_opt.SGD(0.1, use_ema=True, ema_momentum=0.5)
+    w = keras.Variable(np.array([1.0], "float32"))
+    grad = keras.ops.ones((1,))
+    opt.apply_gradients([(grad, w)])
+    opt.ema_overwrite_frequency = 2
+    opt.apply_gradients([(grad, w)])
+    # float64 rule: w 1 -> 0.9 -> 0.8; average 1 -> 0.95 -> 0.875, and
+    # step 2 overwrites the weight with it.
+    np.testing.assert_allclose(to_numpy(w), [0.875], rtol=1e-6)

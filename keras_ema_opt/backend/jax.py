@@ -60,7 +60,9 @@ def compiled_apply(optimizer, grads, variables):
     key = (tuple(id(v) for v in variables), tuple(id(v) for v in opt_vars))
     model_values = [v.value for v in model_vars]
     opt_values = [v.value for v in opt_vars]
-    donate = _distinct_buffers(model_values + opt_values)
+    read_values = [v.value for v in read_vars]
+    donate = _distinct_buffers(model_values + opt_values,
+                               list(grads) + read_values)
     cache = optimizer.__dict__.setdefault("_keo_compiled", {})
     fn = cache.get((key, donate))
     if fn is None:
@@ -71,7 +73,7 @@ def compiled_apply(optimizer, grads, variables):
     rate_values = [] if rate is None else [
         jnp.asarray(keras.ops.convert_to_numpy(rate()), "float32")]
     new_model, new_opt = fn(model_values, opt_values, list(grads),
-                            [v.value for v in read_vars], rate_values)
+                            read_values, rate_values)
     for var, value in zip(model_vars, new_model):
         var.assign(value)
     for var, value in zip(opt_vars, new_opt):
@@ -174,8 +176,12 @@ def _average_non_trainable(optimizer, model, before, after, non_trainable):
     return non_trainable, after
 
 
-def _distinct_buffers(values):
-    return len({id(v) for v in values}) == len(values)
+def _distinct_buffers(donated, kept):
+    """Whether ``donated`` may be donated: no two of them are one array,
+    and none is also passed undonated (a gradient that is a variable's own
+    value, ``apply_gradients([(w.value, w)])``, or a value only read)."""
+    ids = {id(v) for v in donated}
+    return len(ids) == len(donated) and not any(id(v) in ids for v in kept)
 
 
 def compute_gradients(loss, var_list, tape=None):

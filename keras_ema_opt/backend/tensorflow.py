@@ -28,8 +28,13 @@ def lerp_averages(pairs, weight, gated=False):
     variables exactly (1), or the kernel; the engine's exact ``where`` form
     costs seven passes over each average in a graph step. Not under a
     ``tf.distribute`` strategy (its mirrored variables are updated by the
-    engine), nor across dtypes."""
-    if tf.distribute.has_strategy():
+    engine, also when a step on its variables runs outside its scope),
+    nor across dtypes."""
+    if tf.distribute.has_strategy() or any(
+            isinstance(_tf_variable(slot), tf.distribute.DistributedValues)
+            for slot, _ in pairs):
+        # Also outside the strategy's scope: a cross-replica step on
+        # mirrored variables (the kernel would write one copy).
         return pairs
     rest, fused = [], []
     for slot, var in pairs:

@@ -188,10 +188,13 @@ class _Plan:
 
     def takes(self, grads):
         """Whether the fused kernel can take these gradients: dense, of
-        their variable's dtype and device."""
+        their variable's shape, dtype and device (the kernel walks as many
+        elements of the gradient as the variable has: Keras' own step
+        broadcasts a smaller one, or refuses it)."""
         return self.fusable and all(
             isinstance(g, torch.Tensor) and not g.is_sparse
             and g.dtype == var._value.dtype and g.device == var._value.device
+            and g.shape == var._value.shape
             for g, var in zip(grads, self.variables))
 
 

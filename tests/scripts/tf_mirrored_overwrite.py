@@ -2,8 +2,13 @@
 two-replica MirroredStrategy (two logical CPUs), and the same training on
 one device with the same global batches.
 
-Prints one JSON line: ``{"mirrored": {...}, "single": {...}}``, each the
-weights, their averages and the step count after training.
+Also two eager ``apply_gradients`` of SGD(0.1) with an EMA of 0.5 on a
+variable made in the strategy's scope, called outside it (a cross-replica
+custom step): every replica's copy of the weight and of its average.
+
+Prints one JSON line: ``{"mirrored": {...}, "single": {...},
+"cross_replica": {...}}``, the first two the weights, their averages and
+the step count after training.
 """
 
 import json
@@ -50,7 +55,21 @@ def train(strategy):
     }
 
 
+def cross_replica(strategy):
+    with strategy.scope():
+        w = keras.Variable(np.array([1.0, 2.0], "float32"), name="w")
+        opt = keras_ema_opt.SGD(0.1, use_ema=True, ema_momentum=0.5)
+        opt.build([w])
+    for _ in range(2):
+        opt.apply_gradients([(tf.constant([1.0, 1.0]), w)])
+    average = opt.average_of(w)
+    copies = (lambda v: [c.numpy().tolist() for c in v.value.values])
+    return {"weights": copies(w), "averages": copies(average)}
+
+
+mirrored = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
 print(json.dumps({
-    "mirrored": train(tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])),
+    "mirrored": train(mirrored),
     "single": train(tf.distribute.get_strategy()),
+    "cross_replica": cross_replica(mirrored),
 }))
