@@ -62,7 +62,7 @@ def cross_replica(strategy):
         opt.build([w])
     for _ in range(2):
         opt.apply_gradients([(tf.constant([1.0, 1.0]), w)])
-    average = opt.average_of(w)
+    average = opt._model_variables_moving_average[0]  # the variable
     copies = (lambda v: [c.numpy().tolist() for c in v.value.values])
     return {"weights": copies(w), "averages": copies(average)}
 
