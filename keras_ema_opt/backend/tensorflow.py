@@ -1,6 +1,7 @@
 """TensorFlow hooks: tf.distribute aggregation, XLA, sparse gradients, tapes."""
 
 import contextlib
+import weakref
 
 import tensorflow as tf
 from keras.src.backend.tensorflow.optimizer import TFOptimizer
@@ -221,10 +222,16 @@ def is_chief():
     as Keras 2's ``_is_chief``; an ``evaluator``, outside the training
     cluster, writes its own files, as TensorFlow's ``multi_worker_util.
     is_chief`` says), read from the current strategy's cluster resolver,
-    else from ``TF_CONFIG``; always, outside a multi-worker run."""
-    resolver = getattr(tf.distribute.get_strategy(), "cluster_resolver",
-                       None)
-    if resolver is None or resolver.task_type is None:
+    else from that of the multi-worker strategy an optimizer was last made
+    under (outside its scope), else from ``TF_CONFIG``; always, outside a
+    multi-worker run."""
+    resolver = _task_resolver(tf.distribute.get_strategy())
+    for strategy in reversed(list(_MULTI_WORKER)):
+        # Outside the scope (where Keras runs callbacks), the strategy an
+        # optimizer was made under: its cluster may come from a resolver
+        # and not from TF_CONFIG (SLURM's, a SimpleClusterResolver).
+        resolver = resolver or _task_resolver(strategy())
+    if resolver is None:
         resolver = tf.distribute.cluster_resolver.TFConfigClusterResolver()
     cluster = resolver.cluster_spec().as_dict()
     if sum(len(tasks) for tasks in cluster.values()) <= 1:
@@ -253,12 +260,28 @@ def is_chief():
 _FIXED = []
 
 
+def _task_resolver(strategy):
+    resolver = getattr(strategy, "cluster_resolver", None)
+    if resolver is None or resolver.task_type is None:
+        return None
+    return resolver
+
+
+# Weak references to the multi-worker strategies optimizers were made
+# under, oldest first (for `is_chief` outside their scope).
+_MULTI_WORKER = []
+
+
 def on_create(optimizer):
     """An optimizer made under a multi-worker strategy: make ``fit()``
-    work there (see above)."""
+    work there (see above), and remember the strategy."""
     del optimizer
-    if _multi_worker(tf.distribute.get_strategy()):
+    strategy = tf.distribute.get_strategy()
+    if _multi_worker(strategy):
         _fix_multi_worker_fit()
+        _MULTI_WORKER[:] = [r for r in _MULTI_WORKER
+                            if r() is not None and r() is not strategy]
+        _MULTI_WORKER.append(weakref.ref(strategy))
 
 
 def _multi_worker(strategy):

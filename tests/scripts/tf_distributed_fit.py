@@ -3,7 +3,8 @@
     tf_distributed_fit.py OUT mirrored
         MirroredStrategy over 2 logical CPUs, one process.
     tf_distributed_fit.py OUT multiworker INDEX PORT0 PORT1
-        MultiWorkerMirroredStrategy, worker INDEX of 2 (TF_CONFIG).
+        MultiWorkerMirroredStrategy, worker INDEX of 2 (a cluster
+        resolver, no TF_CONFIG).
 
 Each replica set builds the model in the strategy scope (worker i from
 seed i: tf.distribute must give every worker worker 0's weights), then
@@ -23,10 +24,7 @@ import sys
 
 out, mode = sys.argv[1], sys.argv[2]
 index = int(sys.argv[3]) if mode == "multiworker" else 0
-if mode == "multiworker":
-    os.environ["TF_CONFIG"] = json.dumps({
-        "cluster": {"worker": [f"127.0.0.1:{p}" for p in sys.argv[4:6]]},
-        "task": {"type": "worker", "index": index}})
+os.environ.pop("TF_CONFIG", None)
 os.environ["KERAS_BACKEND"] = "tensorflow"
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
@@ -39,7 +37,14 @@ if mode == "mirrored":
         cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
     strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
 else:
-    strategy = tf.distribute.MultiWorkerMirroredStrategy()
+    # The cluster from a resolver, as SLURM's gives it, and no TF_CONFIG:
+    # who is chief is told by the strategy, also outside its scope (where
+    # Keras runs the callbacks that write files).
+    strategy = tf.distribute.MultiWorkerMirroredStrategy(
+        cluster_resolver=tf.distribute.cluster_resolver.SimpleClusterResolver(
+            tf.train.ClusterSpec({"worker": [
+                f"127.0.0.1:{p}" for p in sys.argv[4:6]]}),
+            task_type="worker", task_id=index))
 
 import keras  # noqa: E402
 
@@ -79,10 +84,10 @@ def dataset(steps):
 
 
 def main():
-    result = {"replicas": strategy.num_replicas_in_sync,
-              "chief": keras_ema_opt.distributed.is_chief()}
+    result = {"replicas": strategy.num_replicas_in_sync}
     with strategy.scope():
         model = common.make_model(seed=index)
+    result["chief"] = keras_ema_opt.distributed.is_chief()  # outside
     result["init"] = [keras.ops.convert_to_numpy(v).tolist()
                       for v in model.trainable_variables]
     callback = keras_ema_opt.callbacks.AveragedCheckpoint(
