@@ -1199,9 +1199,14 @@ class Optimizer(backend.OptimizerHooks, keras.optimizers.Optimizer):
     def average_of(self, variable, slot=0):
         """The current average of ``variable`` (a tensor), or ``None``.
 
-        ``None`` where the variable is not averaged (integer variables,
-        ``overwrite_with_gradient`` variables). Debiased averages come back
-        corrected.
+        ``None`` where a variable the optimizer was built with is not
+        averaged (an integer variable, an ``overwrite_with_gradient``
+        one). Debiased averages come back corrected.
+
+        Raises:
+            UnknownVariableError: a variable that is neither one the
+                optimizer was built with nor an averaged non-trainable one
+                (``include_non_trainable`` averages float variables only).
         """
         averager = self._require_averages("average_of", slot)
         i = averager.index(self, variable)
