@@ -124,6 +124,21 @@ def _without_unnamed_schedule(config):
     return config
 
 
+def _scalar_value(value):
+    """A scalar tensor (``tf.constant(0.9)``, a 0-d array) as the Python
+    number it holds, as Keras 2 took them; anything else unchanged."""
+    if isinstance(value, (bool, numbers.Number, str)) or value is None:
+        return value
+    try:
+        array = np.asarray(keras.ops.convert_to_numpy(value))
+    except Exception:  # not a tensor: left to the checks to name
+        return value
+    if array.ndim == 0 and (np.issubdtype(array.dtype, np.floating)
+                            or np.issubdtype(array.dtype, np.integer)):
+        return array.item()
+    return value
+
+
 def _check_loss_scale_factor(value):
     """Keras 3's ``loss_scale_factor``: None or a positive number (Keras
     divides every gradient by it; a bool there was a misplaced argument)."""
@@ -443,6 +458,9 @@ class Optimizer(backend.OptimizerHooks, keras.optimizers.Optimizer):
             arguments.pop(key, None)
         _take_mesh(arguments, cls_name)
         _take_lr_alias(arguments, cls_name)
+        if "ema_momentum" in arguments:
+            arguments["ema_momentum"] = _scalar_value(
+                arguments["ema_momentum"])
         if arguments.get("ema_overwrite_frequency") is not None and not (
             isinstance(arguments["ema_overwrite_frequency"], bool)
         ) and arguments["ema_overwrite_frequency"] == 0:

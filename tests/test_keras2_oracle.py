@@ -505,3 +505,21 @@ def test_decay_learning_rate_reads_the_base_rate():
             theirs.apply_gradients([(tf.ones((1,)), theirs_v)])
     np.testing.assert_allclose(float(to_numpy(ours.lr)), 0.1, rtol=1e-7)
     np.testing.assert_allclose(_value(ours_v), theirs_v.numpy(), rtol=1e-6)
+
+
+def test_ema_momentum_as_a_scalar_tensor():
+    """``ema_momentum=tf.constant(0.5)`` is taken as tf_keras takes it (it
+    was refused as not a real number)."""
+    runs = []
+    for theirs in (False, True):
+        var = tf.Variable([1.0, 2.0]) if theirs else keras.Variable(
+            [1.0, 2.0])
+        opt = (tf_keras.optimizers.SGD if theirs else keras_ema_opt.SGD)(
+            0.1, use_ema=True, ema_momentum=tf.constant(0.5),
+            **({"jit_compile": False} if theirs else {}))
+        for _ in range(3):
+            opt.apply_gradients([(_tensor(np.ones(2, "float32"), theirs),
+                                  var)])
+        opt.finalize_variable_values([var])
+        runs.append(_value(var))
+    np.testing.assert_allclose(runs[0], runs[1], rtol=1e-6)
