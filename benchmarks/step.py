@@ -245,9 +245,11 @@ def configurations(strategies=STRATEGIES):
     return out
 
 
-def backend_copy_bandwidth(megabytes=common.BANDWIDTH_MB, repeats=7):
-    """Bytes per second of a large scale-by-one (read + write) in this
-    backend's own compiled or multi-threaded kernels."""
+def backend_bandwidths(megabytes=common.BANDWIDTH_MB, repeats=7):
+    """Bytes per second (read + write, 2 floats an element) of a large copy
+    and of an in-place scale by one, in this backend's own compiled or
+    multi-threaded kernels, each the best of ``repeats``, as ``{kind:
+    bytes/s}`` (see ``common.stream_bandwidths``)."""
     import time
 
     n = megabytes * (1 << 20) // 4
@@ -257,42 +259,71 @@ def backend_copy_bandwidth(megabytes=common.BANDWIDTH_MB, repeats=7):
         src = torch.ones(n, device="cuda" if torch.cuda.is_available()
                          else "cpu")
         dst = torch.empty_like(src)
-
-        def copy():
-            dst.copy_(src)
-            _sync_torch()
+        kinds = {"copy": lambda: dst.copy_(src), "scale": lambda: src.mul_(1.0)}
+        sync = _sync_torch
     elif BACKEND == "jax":
         import jax
 
-        src = jax.numpy.ones(n)
-        scale = jax.jit(lambda x: x * 1.0)
+        # Scaled by an argument, not by the constant 1 (which XLA folds
+        # away: no work, an infinite bandwidth).
+        one = jax.numpy.float32(1.0)
+        state = {"x": jax.numpy.ones(n)}
+        scale = jax.jit(lambda x, s: x * s)
+        # Donated: the result may be written over its argument, in place.
+        in_place = jax.jit(lambda x, s: x * s, donate_argnums=0)
 
-        def copy():
-            jax.block_until_ready(scale(src))
+        def scale_in_place():
+            state["x"] = in_place(state["x"], one)
+        kinds = {"copy": lambda: scale(state["x"], one).block_until_ready(),
+                 "scale": scale_in_place}
+
+        def sync():
+            jax.block_until_ready(state["x"])
     else:
         import tensorflow as tf
 
+        one = tf.constant(1.0)
         src = tf.ones(n)
-        scale = tf.function(lambda x: x * 1.0, jit_compile=True)
+        var = tf.Variable(src)
+        spec = tf.TensorSpec([], tf.float32)
+        scale = tf.function(lambda x, s: x * s, jit_compile=True)
+        in_place = tf.function(lambda s: var.assign(var * s),
+                               jit_compile=True).get_concrete_function(spec)
+        # One element back to the host: the whole result would add a
+        # device-to-host copy on a GPU.
+        kinds = {"copy": lambda: scale(src, one)[:1].numpy(),
+                 "scale": lambda: in_place(one)}
 
-        def copy():
-            # One element back to the host: the whole result would add a
-            # device-to-host copy on a GPU.
-            scale(src)[:1].numpy()
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        copy()
-        best = min(best, time.perf_counter() - start)
-    return 2 * n * 4 / best
+        def sync():
+            var[:1].numpy()
+    out = {}
+    for kind, fn in kinds.items():
+        best = float("inf")
+        fn()
+        sync()
+        for _ in range(repeats):
+            start = time.perf_counter()
+            fn()
+            sync()
+            best = min(best, time.perf_counter() - start)
+        out[f"{BACKEND}_{kind}"] = 2 * n * 4 / best
+    return out
+
+
+def bandwidths():
+    """numpy's streams over every core and this backend's own: the
+    roofline takes the best of them."""
+    return {**{f"numpy_{k}": v for k, v in
+               common.stream_bandwidths().items()}, **backend_bandwidths()}
 
 
 def run(names=None, strategies=STRATEGIES):
     configs = configurations(strategies)
     n = common.N_TENSORS * common.SIZE
-    # The roofline takes the best copy bandwidth seen, numpy's over every
-    # core or the backend's own.
-    bandwidth = max(common.copy_bandwidth(), backend_copy_bandwidth())
+    # The roofline takes the best bandwidth seen, of numpy's streams over
+    # every core or the backend's own.
+    streams = bandwidths()
+    bandwidth = max(streams.values())
     for name in names or configs:
         builder, kind, averages = configs[name]
         step, sync = builder(kind)
@@ -301,7 +332,7 @@ def run(names=None, strategies=STRATEGIES):
         common.emit({"bench": "step", "backend": BACKEND, "name": name,
                      "seconds": seconds, "averages": averages,
                      "roofline_seconds": roofline,
-                     "bandwidth": bandwidth})
+                     "bandwidth": bandwidth, "bandwidths": streams})
         del step, sync
         gc.collect()
 

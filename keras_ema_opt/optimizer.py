@@ -555,7 +555,6 @@ class Optimizer(backend.OptimizerHooks, keras.optimizers.Optimizer):
             self.averaging = None
         self._ema_follows_momentum = bool(value)
         self.__dict__["_use_ema"] = bool(value)
-        self.__dict__.pop("_keo_compiled", None)
 
     @property
     def ema_momentum(self):
@@ -576,9 +575,9 @@ class Optimizer(backend.OptimizerHooks, keras.optimizers.Optimizer):
             _validate_ema(True, value, None)
         self.__dict__["_ema_momentum"] = value
         if follows:
+            # (`__setattr__` has dropped the compiled eager steps, which
+            # read the momentum when traced.)
             averaging.momentum = float(value)
-            # Compiled eager steps read the momentum when traced.
-            self.__dict__.pop("_keo_compiled", None)
 
     def get_config(self):
         config = super().get_config()

@@ -40,6 +40,14 @@ def test_step_and_fit_benchmarks_run_on_this_backend():
         assert r["backend"] == BACKEND and r["seconds"] > 0
         assert r["roofline_seconds"] > 0
     assert [r["averages"] for r in step] == [1, 1, 2, 1]
+    # numpy's streams and the backend's own, each a real measurement: an
+    # operation the compiler folded away (`x * 1.0`) would read as an
+    # unbounded rate; 1e13 B/s is past any device's memory.
+    streams = step[0]["bandwidths"]
+    assert {"numpy_copy", "numpy_scale", "numpy_add", f"{BACKEND}_copy",
+            f"{BACKEND}_scale"} == set(streams)
+    assert all(0 < v < 1e13 for v in streams.values()), streams
+    assert step[0]["bandwidth"] == max(streams.values())
     fit = _bench_lines(run_python("-m", "benchmarks.fit", "--names",
                                   "ours,ours:ema", backend=BACKEND,
                                   timeout=300, **SMALL).stdout)
@@ -55,9 +63,9 @@ def test_step_and_fit_benchmarks_run_on_this_backend():
 
 
 def _result(bench, name, seconds, averages=1, backend="torch", **extra):
-    return dict(bench=bench, backend=backend, name=name, seconds=seconds,
-                roofline_seconds=1e-3, averages=averages, bandwidth=1e10,
-                **extra)
+    return dict(dict(bench=bench, backend=backend, name=name,
+                     seconds=seconds, roofline_seconds=1e-3,
+                     averages=averages, bandwidth=1e10), **extra)
 
 
 def test_checks_hold_the_issue_bounds(tmp_path):
@@ -115,24 +123,119 @@ def test_checks_hold_the_issue_bounds(tmp_path):
         " | 1.10 |" in paths["summary"].read_text()
 
 
-def test_from_json_merges_runs_of_one_device_and_refuses_two(tmp_path):
+def _results_file(path, backend, device, results=None, **meta):
+    path.write_text(json.dumps({
+        "meta": dict(device=device, **meta),
+        "results": results or [_result("step", "ours:ema", 1e-3,
+                                       backend=backend)],
+    }))
+    return str(path)
+
+
+def test_from_json_merges_runs_of_one_device_and_refuses_two(tmp_path,
+                                                              capsys):
     """The GPU run comes back one backend per call: the files merge into one
-    table; files of different devices do not."""
-    files = []
-    for backend, device in (("jax", "gpu"), ("torch", "gpu"),
-                            ("torch", "cpu")):
-        path = tmp_path / f"{backend}-{device}.json"
-        path.write_text(json.dumps({
-            "meta": {"device": device},
-            "results": [_result("step", "ours:ema", 1e-3, backend=backend)],
-        }))
-        files.append(str(path))
+    table, each run's machine kept; files of different devices do not."""
+    files = [_results_file(tmp_path / f"{backend}-{device}.json", backend,
+                           device, processor=f"{device}-host-{backend}",
+                           cores=16, python="3.12.1", date="2026-12-04")
+             for backend, device in (("jax", "gpu"), ("torch", "gpu"),
+                                     ("torch", "cpu"))]
     out = tmp_path / "out"
     assert driver.main(["--from-json", *files[:2], "--out", str(out)]) == 0
     table = (out / "gpu-table.md").read_text()
     assert "### jax" in table and "### torch" in table
+    # The runs' own machines, not the merging one's.
+    assert ("jax: gpu, gpu-host-jax, 16 cores, Python 3.12.1, 2026-12-04; "
+            "torch: gpu, gpu-host-torch" in table)
+    meta = json.loads((out / "gpu-results.json").read_text())["meta"]
+    assert [m["processor"] for m in meta["merged_from"]] == [
+        "gpu-host-jax", "gpu-host-torch"]
+    # A merged file merges again, keeping both runs.
+    again = tmp_path / "again"
+    assert driver.main(["--from-json", str(out / "gpu-results.json"),
+                        "--out", str(again)]) == 0
+    assert "torch: gpu, gpu-host-torch" in (again / "gpu-table.md").read_text()
+    capsys.readouterr()
     with pytest.raises(SystemExit):
         driver.main(["--from-json", *files[1:], "--out", str(out)])
+    assert "different devices: ['cpu', 'gpu']" in capsys.readouterr().err
+
+
+def test_from_json_refuses_a_configuration_measured_twice(tmp_path, capsys):
+    """Two runs of one configuration would be kept side by side and one of
+    them shown silently: the merge names both files."""
+    first = _results_file(tmp_path / "a.json", "torch", "gpu")
+    second = _results_file(tmp_path / "b.json", "torch", "gpu")
+    with pytest.raises(SystemExit):
+        driver.main(["--from-json", first, second, "--out",
+                     str(tmp_path / "out")])
+    err = capsys.readouterr().err
+    assert f"step torch ours:ema is in both {first} and {second}" in err
+    assert not (tmp_path / "out").exists()
+    damaged = tmp_path / "c.json"
+    damaged.write_text('{"results": []}')
+    with pytest.raises(SystemExit):
+        driver.main(["--from-json", str(damaged)])
+    assert (f"{damaged} is not a results file of `python -m benchmarks`"
+            in capsys.readouterr().err)
+
+
+def test_roofline_takes_the_fastest_rate_the_run_shows():
+    """The roofline must bound every step from below: where a configuration
+    moves the bytes it must faster than the measured streams (the copy's
+    write-allocate undercounts what in-place updates sustain), the
+    roofline takes that rate, and the shares are of it."""
+    bytes_ = 3.6e8
+    results = [
+        # Measured at 20 GB/s; torch moved its 3.6e8 bytes in 9 ms: 40 GB/s.
+        _result("step", "ours:ema", 9e-3, roofline_seconds=bytes_ / 2e10,
+                bandwidth=2e10, bandwidths={"numpy_copy": 2e10}),
+        _result("step", "ours:ema", 12e-3, backend="jax",
+                roofline_seconds=bytes_ / 1.5e10, bandwidth=1.5e10),
+    ]
+    bandwidth, source = driver.roofline_bandwidth(results)
+    assert (bandwidth, source) == (4e10, "reached: torch ours:ema")
+    checks = {c[0]: c[1:] for c in driver.checks(results)}
+    # 9 ms of roofline at 40 GB/s, of a 12 ms step; at the measured
+    # 15 GB/s it read 2.0.
+    share, bound, ok = checks["jax step: ours:ema share of the roofline"]
+    assert (round(share, 3), bound, ok) == (0.75, 0.70, True)
+    (what, value), = [(w, v) for w, v, *_ in driver.checks(results)
+                      if w.startswith("roofline bandwidth")]
+    assert "reached: torch ours:ema" in what and round(value, 3) == 2.0
+    # Where no configuration beats it, the best measured stream holds.
+    results[0]["bandwidths"] = {"numpy_copy": 2e10, "numpy_scale": 5e10}
+    assert driver.roofline_bandwidth(results) == (5e10,
+                                                  "measured: numpy_scale")
+
+
+def test_tensorflow_is_held_to_tf_keras_as_it_runs_and_under_xla():
+    """tf_keras turns its own `jit_compile` off without a GPU: ours, under
+    XLA, is held both to tf_keras as it runs and to the same step forced
+    under XLA (equal compilation)."""
+    results = [_result("step", n, s, backend="tensorflow")
+               for n, s in (("tf_keras_ema", 30.0), ("tf_keras_ema_xla", 18.0),
+                            ("ours:ema", 19.0))]
+    checks = {c[0]: c[1:] for c in driver.checks(results)}
+    ratio, bound, ok = checks["tensorflow step: ours:ema / tf_keras_ema"]
+    assert (round(ratio, 3), bound, ok) == (round(19 / 30, 3), 0.85, True)
+    ratio, bound, ok = checks["tensorflow step: ours:ema / tf_keras_ema_xla"]
+    assert (round(ratio, 3), bound, ok) == (round(19 / 18, 3), 0.85, False)
+
+
+def test_memory_bound_holds_ours_and_shows_the_peers_for_reference(tmp_path):
+    results = [dict(bench="memory", backend="jax", name=name, ratio=ratio,
+                    growth_bytes=ratio * 100, needed_bytes=100)
+               for name, ratio in (("ours:ema", 1.2), ("optax_ema", 1.6))]
+    checks = {c[0]: c[1:] for c in driver.checks(results)}
+    assert checks["jax memory: ours:ema growth / state bytes"] == (
+        1.2, 1.10, False)
+    assert checks["jax memory: optax_ema growth / state bytes "
+                  "(reference)"] == (1.6, None, None)
+    table = driver.write(results, tmp_path, "cpu")["table"].read_text()
+    assert ("| jax memory: optax_ema growth / state bytes (reference) | 1.60 "
+            "| - | reference |" in table)
 
 
 def test_fit_runs_each_average_beside_its_baseline_in_turn():
@@ -234,7 +337,7 @@ def test_step_processes_take_turns_over_rounds(monkeypatch):
     assert keras["rounds"] == [1.0, 1.1, 1.2] and keras["seconds"] == 1.1
     # The slow second round of ours:ema is left out by the median.
     assert ema["rounds"] == [1.0, 9.0, 1.2] and ema["seconds"] == 1.2
-    # The roofline is that of the best copy bandwidth a round measured.
+    # The roofline is that of the best bandwidth a round measured.
     assert ema["round_bandwidths"] == [1e10, 2e10, 3e10]
     assert ema["roofline_seconds"] == 2.0 and ema["bandwidth"] == 3e10
     with pytest.raises(ValueError, match="different configurations"):
