@@ -579,3 +579,70 @@ def test_ema_overwrite_frequency_set_between_steps_takes_effect():
     # float64 rule: w 1 -> 0.9 -> 0.8; average 1 -> 0.95 -> 0.875, and
     # step 2 overwrites the weight with it.
     np.testing.assert_allclose(to_numpy(w), [0.875], rtol=1e-6)
+
+
+def _clip_cases():
+    rng = np.random.default_rng(3)
+    big = rng.normal(size=(40, 30)).astype("float32")          # norm ~35
+    small = (rng.normal(size=(7,)) * 1e-3).astype("float32")  # below c
+    zero = np.zeros((3, 2), "float32")
+    nan = big[:5].copy()
+    nan[1, 2] = np.nan
+    inf = small.copy()
+    inf[0] = np.inf
+    return {"finite": [big, small, zero], "with None": [big, None, small],
+            "nan": [small, nan, zero], "inf": [inf, big]}
+
+
+@pytest.mark.parametrize("clip", [dict(clipnorm=0.5),
+                                  dict(global_clipnorm=2.0),
+                                  dict(clipvalue=0.01)])
+@pytest.mark.parametrize("case", sorted(_clip_cases()))
+def test_clipping_equals_keras_rule(clip, case, monkeypatch):
+    """Gradient clipping gives Keras' own clipped gradients (zero, NaN and
+    infinite norms too); on PyTorch by torch's multi-tensor kernels (one
+    norm kernel for all the gradients, not Keras' ops per gradient)."""
+    grads = _clip_cases()[case]
+    tensors = [None if g is None else keras.ops.convert_to_tensor(g)
+               for g in grads]
+    norms = _Calls(monkeypatch, "_foreach_norm") if BACKEND == "torch" else (
+        None)
+    ours = keras_ema_opt.SGD(0.1, **clip)._clip_gradients(tensors)
+    if norms is not None:
+        assert norms.count == (0 if "clipvalue" in clip else 1)
+    expected = keras.optimizers.SGD(0.1, **clip)._clip_gradients(tensors)
+    assert [g is None for g in ours] == [g is None for g in grads]
+    for a, b in zip(ours, expected):
+        if a is not None:
+            np.testing.assert_allclose(to_numpy(a), to_numpy(b), rtol=2e-6,
+                                       atol=1e-9)
+
+
+@pytest.mark.parametrize("clip", [dict(clipnorm=0.5),
+                                  dict(global_clipnorm=2.0),
+                                  dict(clipvalue=0.01)])
+def test_clipped_steps_equal_keras(clip):
+    """Steps with clipping (and an EMA) train as Keras' own optimizer."""
+    weights, grads = _problem(dtypes=("float32",) * 3)
+    grads = [[g * 10 for g in step] for step in grads]
+    _, ours = _train(keras_ema_opt.SGD(0.1, use_ema=True, **clip), weights,
+                     grads)
+    _, keras_ = _train(keras.optimizers.SGD(0.1, use_ema=True, **clip),
+                       weights, grads)
+    np.testing.assert_allclose(np.concatenate([w.ravel() for w in ours[-1]]),
+                               np.concatenate([w.ravel() for w in keras_[-1]]),
+                               rtol=1e-5, atol=1e-7)
+
+
+@only_on("torch")
+def test_torch_clipping_falls_back_for_mixed_dtypes(monkeypatch):
+    """Gradients of two dtypes (or anything but dense float32/float64 of
+    one device) take Keras' own clipping."""
+    norms = _Calls(monkeypatch, "_foreach_norm")
+    grads = [keras.ops.ones((3,), "float32"), keras.ops.ones((2,), "float64")]
+    ours = keras_ema_opt.SGD(0.1, global_clipnorm=1.0)._clip_gradients(grads)
+    expected = keras.optimizers.SGD(0.1, global_clipnorm=1.0)._clip_gradients(
+        grads)
+    assert norms.count == 0
+    for a, b in zip(ours, expected):
+        np.testing.assert_allclose(to_numpy(a), to_numpy(b), rtol=1e-7)
