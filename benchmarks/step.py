@@ -259,7 +259,8 @@ def backend_bandwidths(megabytes=common.BANDWIDTH_MB, repeats=7):
         src = torch.ones(n, device="cuda" if torch.cuda.is_available()
                          else "cpu")
         dst = torch.empty_like(src)
-        kinds = {"copy": lambda: dst.copy_(src), "scale": lambda: src.mul_(1.0)}
+        kinds = {"copy": lambda: dst.copy_(src),
+                 "scale": lambda: src.mul_(1.0)}
         sync = _sync_torch
     elif BACKEND == "jax":
         import jax
@@ -287,8 +288,9 @@ def backend_bandwidths(megabytes=common.BANDWIDTH_MB, repeats=7):
         var = tf.Variable(src)
         spec = tf.TensorSpec([], tf.float32)
         scale = tf.function(lambda x, s: x * s, jit_compile=True)
-        in_place = tf.function(lambda s: var.assign(var * s),
-                               jit_compile=True).get_concrete_function(spec)
+        in_place = tf.function(
+            lambda s: var.assign(var * s, read_value=False),
+            jit_compile=True).get_concrete_function(spec)
         # One element back to the host: the whole result would add a
         # device-to-host copy on a GPU.
         kinds = {"copy": lambda: scale(src, one)[:1].numpy(),
@@ -328,10 +330,10 @@ def run(names=None, strategies=STRATEGIES):
         builder, kind, averages = configs[name]
         step, sync = builder(kind)
         seconds = common.median_time(step, sync)
-        roofline = common.adam_bytes(n, averages) / bandwidth
+        moved = common.adam_bytes(n, averages)
         common.emit({"bench": "step", "backend": BACKEND, "name": name,
                      "seconds": seconds, "averages": averages,
-                     "roofline_seconds": roofline,
+                     "bytes": moved, "roofline_seconds": moved / bandwidth,
                      "bandwidth": bandwidth, "bandwidths": streams})
         del step, sync
         gc.collect()

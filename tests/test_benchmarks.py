@@ -32,22 +32,27 @@ def test_step_and_fit_benchmarks_run_on_this_backend():
     if BACKEND == "tensorflow":
         pytest.importorskip("tf_keras")
     names = f"keras_ema,ours:ema,ours:powerema,{PEERS[BACKEND]}"
+    # Streams of 64 MB: an operation the compiler folded away would take
+    # its dispatch time alone, tens of times faster than numpy's stream.
     step = _bench_lines(run_python("-m", "benchmarks.step", "--names", names,
                                    backend=BACKEND, timeout=300,
-                                   **SMALL).stdout)
+                                   **dict(SMALL, KEO_BENCH_BANDWIDTH_MB="64"))
+                        .stdout)
     assert [r["name"] for r in step] == names.split(",")
     for r in step:
         assert r["backend"] == BACKEND and r["seconds"] > 0
         assert r["roofline_seconds"] > 0
     assert [r["averages"] for r in step] == [1, 1, 2, 1]
-    # numpy's streams and the backend's own, each a real measurement: an
-    # operation the compiler folded away (`x * 1.0`) would read as an
-    # unbounded rate; 1e13 B/s is past any device's memory.
+    # numpy's streams and the backend's own, each a real measurement: on
+    # this CPU the backend's streams move what numpy's move (`x * 1.0`,
+    # which XLA folds away, read 1,000 times numpy's rate).
     streams = step[0]["bandwidths"]
     assert {"numpy_copy", "numpy_scale", "numpy_add", f"{BACKEND}_copy",
             f"{BACKEND}_scale"} == set(streams)
-    assert all(0 < v < 1e13 for v in streams.values()), streams
+    numpy_best = max(v for k, v in streams.items() if k.startswith("numpy"))
+    assert all(0 < v < 10 * numpy_best for v in streams.values()), streams
     assert step[0]["bandwidth"] == max(streams.values())
+    assert step[0]["bytes"] == 3 * 64 * 4 * (7 + 2)
     fit = _bench_lines(run_python("-m", "benchmarks.fit", "--names",
                                   "ours,ours:ema", backend=BACKEND,
                                   timeout=300, **SMALL).stdout)
@@ -173,12 +178,26 @@ def test_from_json_refuses_a_configuration_measured_twice(tmp_path, capsys):
     err = capsys.readouterr().err
     assert f"step torch ours:ema is in both {first} and {second}" in err
     assert not (tmp_path / "out").exists()
-    damaged = tmp_path / "c.json"
-    damaged.write_text('{"results": []}')
+    twice = _results_file(tmp_path / "d.json", "torch", "gpu", results=[
+        _result("step", "ours:ema", 1.0), _result("step", "ours:ema", 2.0)])
     with pytest.raises(SystemExit):
-        driver.main(["--from-json", str(damaged)])
-    assert (f"{damaged} is not a results file of `python -m benchmarks`"
-            in capsys.readouterr().err)
+        driver.main(["--from-json", twice])
+    assert f"step torch ours:ema is twice in {twice}" in capsys.readouterr().err
+    for text, says in (('{"results": []}', "no meta.device"),
+                       ('{"meta": {"device": "gpu"}, "results": []}',
+                        "no results"),
+                       ('{"meta": {"device": "gpu"}, "results": '
+                        '[{"bench": "step", "backend": "jax", "name": "x"}]}',
+                        "a record lacks seconds, roofline_seconds, "
+                        "bandwidth"),
+                       ("{", "Expecting property name")):
+        damaged = tmp_path / "c.json"
+        damaged.write_text(text)
+        with pytest.raises(SystemExit):
+            driver.main(["--from-json", str(damaged)])
+        err = capsys.readouterr().err
+        assert (f"{damaged} is not a results file of `python -m benchmarks` "
+                f"({says}" in err), err
 
 
 def test_roofline_takes_the_fastest_rate_the_run_shows():
@@ -195,19 +214,53 @@ def test_roofline_takes_the_fastest_rate_the_run_shows():
                 roofline_seconds=bytes_ / 1.5e10, bandwidth=1.5e10),
     ]
     bandwidth, source = driver.roofline_bandwidth(results)
-    assert (bandwidth, source) == (4e10, "reached: torch ours:ema")
+    assert (bandwidth, source) == (pytest.approx(4e10),
+                                   "reached: torch ours:ema")
     checks = {c[0]: c[1:] for c in driver.checks(results)}
     # 9 ms of roofline at 40 GB/s, of a 12 ms step; at the measured
     # 15 GB/s it read 2.0.
     share, bound, ok = checks["jax step: ours:ema share of the roofline"]
     assert (round(share, 3), bound, ok) == (0.75, 0.70, True)
-    (what, value), = [(w, v) for w, v, *_ in driver.checks(results)
-                      if w.startswith("roofline bandwidth")]
-    assert "reached: torch ours:ema" in what and round(value, 3) == 2.0
-    # Where no configuration beats it, the best measured stream holds.
-    results[0]["bandwidths"] = {"numpy_copy": 2e10, "numpy_scale": 5e10}
-    assert driver.roofline_bandwidth(results) == (5e10,
-                                                  "measured: numpy_scale")
+    # 2.3 times the streams (the median of 20 and 15 GB/s): past what the
+    # streams' undercount explains (a step that returned early?), flagged.
+    (what, value, bound, ok), = [c for c in driver.checks(results)
+                                 if c[0].startswith("roofline bandwidth")]
+    assert "reached: torch ours:ema" in what
+    assert (round(value, 3), bound, ok) == (round(4 / 1.75, 3), 1.3, False)
+    # Where no configuration beats it, the median of the processes' best
+    # streams holds (one lucky process does not set it).
+    results[0]["round_bandwidths"] = [5e10, 9.5e10, 5.2e10]
+    results[1]["round_bandwidths"] = [5.4e10, 8e10, 4.9e10]
+    assert driver.roofline_bandwidth(results) == (
+        pytest.approx(5.3e10),
+        "measured: median of 6 processes' best stream")
+    (_, value, _, ok), = [c for c in driver.checks(results)
+                          if c[0].startswith("roofline bandwidth")]
+    assert (value, ok) == (1.0, True)
+
+
+def test_merged_runs_keep_their_own_rooflines(tmp_path):
+    """Files merged from two machines: each run's roofline is its own (one
+    machine's fast step does not set the other's bound)."""
+    bytes_ = 3.6e8
+    fast = _results_file(tmp_path / "torch.json", "torch", "gpu", results=[
+        _result("step", "ours:ema", 1e-4, bytes=bytes_,
+                roofline_seconds=bytes_ / 4e12, bandwidth=4e12)])
+    slow = _results_file(tmp_path / "jax.json", "jax", "gpu", results=[
+        _result("step", "ours:ema", 1e-3, backend="jax", bytes=bytes_,
+                roofline_seconds=bytes_ / 5e11, bandwidth=5e11)])
+    device, meta, results = driver.merge_files([fast, slow])
+    assert [r["run"] for r in results] == [0, 1]
+    checks = {c[0]: c[1:] for c in driver.checks(results)}
+    # 0.72 ms of roofline at the jax run's 500 GB/s, of a 1 ms step (at
+    # the torch run's 3.6 TB/s it would read 0.1).
+    share, _, _ = checks["jax step: ours:ema share of the roofline"]
+    assert round(share, 3) == 0.72
+    assert [c for c in checks if c.startswith("roofline bandwidth")] == [
+        "roofline bandwidth (run 0), 4000.0 GB/s (measured: median of 1 "
+        "processes' best stream) / the streams'",
+        "roofline bandwidth (run 1), 500.0 GB/s (measured: median of 1 "
+        "processes' best stream) / the streams'"]
 
 
 def test_tensorflow_is_held_to_tf_keras_as_it_runs_and_under_xla():
