@@ -288,9 +288,12 @@ def backend_bandwidths(megabytes=common.BANDWIDTH_MB, repeats=7):
         var = tf.Variable(src)
         spec = tf.TensorSpec([], tf.float32)
         scale = tf.function(lambda x, s: x * s, jit_compile=True)
-        in_place = tf.function(
-            lambda s: var.assign(var * s, read_value=False),
-            jit_compile=True).get_concrete_function(spec)
+        def assign(s):
+            # No value read back: the stream is the in-place write alone.
+            var.assign(var * s, read_value=False)
+
+        in_place = tf.function(assign, jit_compile=True).get_concrete_function(
+            spec)
         # One element back to the host: the whole result would add a
         # device-to-host copy on a GPU.
         kinds = {"copy": lambda: scale(src, one)[:1].numpy(),
