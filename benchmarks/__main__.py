@@ -101,9 +101,9 @@ def step_schedule(names, round_index):
 def merge_step_rounds(records):
     """One step record from a configuration's records of several rounds:
     the median of the rounds' medians (``rounds``, in order). Each process
-    measures the copy bandwidth anew (``round_bandwidths``); the roofline
-    takes the best of them, as each process takes the best stream it
-    sees: the machine's bandwidth, not that of a slow moment."""
+    measures its best stream anew (``round_bandwidths``, from which
+    ``roofline_bandwidth`` takes the run's median); the record keeps the
+    bandwidth of its best round."""
     if not records:
         raise ValueError("merge_step_rounds: no records to merge")
     names = {(r["bench"], r["backend"], r["name"]) for r in records}
@@ -125,6 +125,11 @@ def step_bytes(r):
     """The bytes a step record's configuration must move (recorded, or its
     roofline at the bandwidth it was measured with)."""
     return r.get("bytes") or r["roofline_seconds"] * r["bandwidth"]
+
+
+def _run_steps(results, run):
+    return [r for r in results
+            if r["bench"] == "step" and r.get("run") == run]
 
 
 def _measured(steps):
@@ -153,8 +158,7 @@ def roofline_bandwidth(results, run=None):
     streams saw: the roofline must be a bound no step beats, so it takes
     the faster rate (``checks`` flags one past ``ROOFLINE_TRUST`` times the
     streams)."""
-    steps = [r for r in results
-             if r["bench"] == "step" and r.get("run") == run]
+    steps = _run_steps(results, run)
     best = _measured(steps)
     for r in steps:
         reached = step_bytes(r) / r["seconds"]
@@ -241,10 +245,8 @@ def checks(results):
     runs = sorted({r.get("run") for r in results if r["bench"] == "step"},
                   key=str)
     for run in runs:
-        steps = [r for r in results
-                 if r["bench"] == "step" and r.get("run") == run]
         bandwidth, source = roofline_bandwidth(results, run)
-        measured = _measured(steps)[0]
+        measured = _measured(_run_steps(results, run))[0]
         ratio = bandwidth / measured
         label = "" if len(runs) == 1 else f" (run {run})"
         out.append((f"roofline bandwidth{label}, {bandwidth / 1e9:.1f} GB/s"
@@ -315,12 +317,13 @@ def _memory_checks(backend, memory, doubled):
     return out
 
 
-def machine_meta(device):
-    """What the run was made on, stored with its results."""
+def machine_meta(device, results):
+    """What the run of ``results`` was made on, stored with them."""
     return {"device": device, "machine": platform.machine(),
             "processor": platform.processor(), "cores": os.cpu_count(),
             "python": platform.python_version(),
-            "date": time.strftime("%Y-%m-%d %H:%M:%S")}
+            "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+            "backends": sorted({r["backend"] for r in results})}
 
 
 def _describe(meta):
@@ -334,7 +337,8 @@ def _describe(meta):
 
 
 def table(results, device, meta=None):
-    lines = [f"Device: {_describe(meta or machine_meta(device))}. Medians "
+    meta = meta or machine_meta(device, results)
+    lines = [f"Device: {_describe(meta)}. Medians "
              "(ms); roofline = bytes an Adam step with its averages must "
              "move / the run's bandwidth: the median of its step "
              "processes' best streams, or what a configuration reached "
@@ -411,8 +415,9 @@ def _fit_traffic_lines(results):
         return []
     lines = ["### Fit: the average's cost against its memory traffic", "",
              "Added = fit step with the average - without. Traffic = the "
-             "average's bytes / the roofline's bandwidth: unfused (the new weight "
-             "read back, the average read and written: 3 floats an element"
+             "average's bytes / the roofline's bandwidth: unfused (the new "
+             "weight read back, the average read and written: 3 floats an "
+             "element"
              " per average), folded into the update (2). Shares are of the "
              "step without an average.", "",
              "| backend | configuration | added (ms) | traffic unfused (ms)"
@@ -483,8 +488,7 @@ def plot(results, path):
 def write(results, out, device, meta=None):
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    meta = meta or dict(machine_meta(device), backends=sorted(
-        {r["backend"] for r in results}))
+    meta = meta or machine_meta(device, results)
     payload = {"meta": meta, "results": results,
                "checks": [dict(zip(("check", "measured", "bound", "ok"), c))
                           for c in checks(results)]}
@@ -593,9 +597,7 @@ def main(argv=None):
         results = collect([b for b in args.backends.split(",") if b],
                           fit=not args.no_fit, memory=not args.no_memory,
                           step_rounds=args.step_rounds)
-        meta = None
-        meta = dict(machine_meta(device), backends=sorted(
-            {r["backend"] for r in results}))
+        meta = machine_meta(device, results)
     paths = write(results, args.out, device, meta)
     print(table(results, device, meta))
     for path in paths.values():

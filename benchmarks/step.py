@@ -288,6 +288,7 @@ def backend_bandwidths(megabytes=common.BANDWIDTH_MB, repeats=7):
         var = tf.Variable(src)
         spec = tf.TensorSpec([], tf.float32)
         scale = tf.function(lambda x, s: x * s, jit_compile=True)
+
         def assign(s):
             # No value read back: the stream is the in-place write alone.
             var.assign(var * s, read_value=False)
@@ -316,8 +317,8 @@ def backend_bandwidths(megabytes=common.BANDWIDTH_MB, repeats=7):
 
 
 def bandwidths():
-    """numpy's streams over every core and this backend's own: the
-    roofline takes the best of them."""
+    """numpy's streams over every core and this backend's own; a
+    process's bandwidth is the best of them."""
     return {**{f"numpy_{k}": v for k, v in
                common.stream_bandwidths().items()}, **backend_bandwidths()}
 
@@ -325,8 +326,8 @@ def bandwidths():
 def run(names=None, strategies=STRATEGIES):
     configs = configurations(strategies)
     n = common.N_TENSORS * common.SIZE
-    # The roofline takes the best bandwidth seen, of numpy's streams over
-    # every core or the backend's own.
+    # This process's bandwidth: the best of numpy's streams over every core
+    # and the backend's own (the driver's roofline is the run's median).
     streams = bandwidths()
     bandwidth = max(streams.values())
     for name in names or configs:

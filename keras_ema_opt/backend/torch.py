@@ -292,9 +292,7 @@ def _clip_rule(optimizer, grads):
     None for Keras' own (no clipping, a threshold that is not a number,
     gradients that are not dense float32/float64 tensors of one device and
     dtype, a step traced by ``torch.compile``)."""
-    kinds = (("clipnorm", _clip_each_norm), ("global_clipnorm",
-             _clip_global_norm), ("clipvalue", _clip_value))
-    for name, rule in kinds:
+    for name, rule in _CLIP_RULES:
         threshold = getattr(optimizer, name, None)
         if threshold:
             break
@@ -338,6 +336,10 @@ def _clip_value(grads, threshold):
     return clipped
 
 
+# Keras' order: the first clipping argument set applies.
+_CLIP_RULES = (("clipnorm", _clip_each_norm),
+               ("global_clipnorm", _clip_global_norm),
+               ("clipvalue", _clip_value))
 _FUSED_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 _FUSED = {"Adam": _FusedAdamStep, "AdamW": _FusedAdamStep}
 
