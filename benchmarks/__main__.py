@@ -3,7 +3,8 @@ write ``benchmarks/results/<device>-results.json``, ``<device>-table.md``
 and ``<device>-plot.png``.
 
     python -m benchmarks [--backends jax,tensorflow,torch] [--out DIR]
-                         [--no-fit] [--no-memory] [--step-rounds N]
+                         [--no-step] [--no-fit] [--no-memory]
+                         [--step-rounds N]
     keras-ema-opt bench ...          (the same, from a source checkout)
 
 Each backend runs in fresh processes (``KERAS_BACKEND`` is read once per
@@ -172,7 +173,7 @@ def roofline_seconds(r, results):
 
 
 def collect(backends, fit=True, memory=True, say=print,
-            step_rounds=STEP_ROUNDS):
+            step_rounds=STEP_ROUNDS, step=True):
     results = []
     for backend in backends:
         # One fresh process per configuration: no configuration runs in
@@ -180,9 +181,9 @@ def collect(backends, fit=True, memory=True, say=print,
         # configurations take turns, STEP_ROUNDS times over (see
         # step_schedule): a slow spell of the machine or one slow process
         # falls on one round of one configuration, not on its median.
-        names = _names(backend)
+        names = _names(backend) if step else []
         runs = {name: [] for name in names}
-        for r in range(step_rounds):
+        for r in range(step_rounds if step else 0):
             for name in step_schedule(names, r):
                 say(f"[bench] {backend}: optimizer step, {name} "
                     f"(round {r + 1} of {step_rounds})")
@@ -391,7 +392,11 @@ def fit_traffic(results):
         step = _by(results, "step", backend)
         fit = _by(results, "fit", backend)
         base = fit.get("ours")
-        bandwidth = roofline_bandwidth(results, base and base.get("run"))[0]
+        # The roofline of the run that measured this backend's steps (a
+        # merged file may hold its fit steps from another run of the same
+        # machine).
+        run = next((r.get("run") for r in step.values()), None)
+        bandwidth = roofline_bandwidth(results, run)[0] if step else 0.0
         if base is None or not bandwidth:
             continue
         for name, r in sorted(fit.items()):
@@ -573,6 +578,10 @@ def main(argv=None):
     parser.add_argument("--backends", default=",".join(BACKENDS))
     parser.add_argument("--out", default=str(ROOT / "benchmarks" /
                                              "results"))
+    parser.add_argument("--no-step", action="store_true",
+                        help="skip the optimizer-step benchmark (a run of "
+                        "the fit or memory sections alone, merged later "
+                        "with --from-json)")
     parser.add_argument("--no-fit", action="store_true")
     parser.add_argument("--no-memory", action="store_true")
     parser.add_argument("--step-rounds", type=int, default=STEP_ROUNDS,
@@ -584,6 +593,9 @@ def main(argv=None):
                         "(several: runs of some backends each, on one kind "
                         "of device, merged)")
     args = parser.parse_args(argv)
+    if args.no_step and args.no_fit and args.no_memory:
+        parser.error("--no-step, --no-fit and --no-memory together leave "
+                     "nothing to run: keep at least one section")
     if args.step_rounds < 1:
         parser.error("--step-rounds: at least 1 round is needed. Received: "
                      f"{args.step_rounds}")
@@ -596,7 +608,8 @@ def main(argv=None):
         device = device_kind()
         results = collect([b for b in args.backends.split(",") if b],
                           fit=not args.no_fit, memory=not args.no_memory,
-                          step_rounds=args.step_rounds)
+                          step_rounds=args.step_rounds,
+                          step=not args.no_step)
         meta = machine_meta(device, results)
     paths = write(results, args.out, device, meta)
     print(table(results, device, meta))

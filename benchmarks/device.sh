@@ -8,6 +8,20 @@
 #   python -m benchmarks --from-json jax-gpu-results.json \
 #       torch-gpu-results.json                 # here: gpu-* files
 #
+#   bash benchmarks/device.sh all [SECONDS]  # there: both backends in one
+#                                            # call, section by section
+#
+# `all` is for a lease too short for two full runs (15 minutes of device
+# time, the machine's start included): each backend's optimizer steps
+# (one round: each configuration in its own process, the median of
+# KEO_BENCH_REPEATS steps), then its fit steps (KEO_BENCH_ROUNDS=2 rounds,
+# the averaged configurations beside their baselines in both orders), then
+# its peak memory, each section a `python -m benchmarks` of its own whose
+# results file is copied to $OUT as soon as it is written
+# (<backend>-<section>-gpu-results.json). A section is started only while
+# SECONDS (default 540) are not spent, and killed at that deadline: what
+# was finished comes back. Merge them here with --from-json.
+#
 # The machine holds PyTorch, JAX, optax and matplotlib for Python 3.12, but
 # no Keras, no torch-ema and no TensorFlow (whose GPU wheel is larger than
 # what travels there): the GPU run covers JAX and PyTorch.
@@ -37,8 +51,50 @@ run)
         mv "$f" "$out/$backend-$(basename "$f")"
     done
     ;;
+all)
+    deadline=$(( $(date +%s) + ${2:-540} ))
+    python3 -m pip install -q --no-index --no-deps --no-compile \
+        --no-cache-dir --upgrade --target /tmp/site "$WHEELS"/*.whl
+    export PYTHONPATH="/tmp/site:$PWD" PYTHONUNBUFFERED=1
+    export XLA_PYTHON_CLIENT_PREALLOCATE=false
+    out=${OUT:-benchmarks/results/device}
+    mkdir -p "$out"
+    nvidia-smi -L || echo "no nvidia-smi: this run is not on a GPU"
+    section() {  # name, then the driver's arguments
+        local name=$1 left
+        shift
+        left=$(( deadline - $(date +%s) ))
+        if (( left < 30 )); then
+            echo "[device] $name: not started, ${left} s left"
+            return 0
+        fi
+        echo "[device] $name: started, ${left} s left"
+        rm -rf "/tmp/bench-$name"
+        if timeout "$left" python3 -m benchmarks --out "/tmp/bench-$name" \
+                "$@"; then
+            for f in "/tmp/bench-$name"/*-results.json; do
+                cp "$f" "$out/$name-$(basename "$f")"
+            done
+        else
+            echo "[device] $name: failed or out of time (status $?)"
+        fi
+    }
+    for backend in jax torch; do
+        section "$backend-step" --backends "$backend" --no-fit \
+            --no-memory --step-rounds 1
+    done
+    for backend in torch jax; do
+        KEO_BENCH_ROUNDS=2 section "$backend-fit" --backends "$backend" \
+            --no-step --no-memory
+    done
+    for backend in torch jax; do
+        section "$backend-memory" --backends "$backend" --no-step --no-fit
+    done
+    ls -l "$out"
+    ;;
 *)
-    echo "usage: bash benchmarks/device.sh fetch | run jax|torch" >&2
+    echo "usage: bash benchmarks/device.sh fetch | run jax|torch |" \
+        "all [SECONDS]" >&2
     exit 2
     ;;
 esac

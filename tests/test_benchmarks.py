@@ -403,3 +403,44 @@ def test_step_rounds_must_be_positive(capsys):
     with pytest.raises(SystemExit):
         driver.main(["--step-rounds", "0", "--backends", "torch"])
     assert "Received: 0" in capsys.readouterr().err
+
+
+def test_sections_run_alone(monkeypatch, capsys):
+    """--no-step runs the fit or memory section alone (a lease too short
+    for a whole run does one section a call); all three off is refused."""
+    calls = []
+
+    def fake_run(module, backend, *args, **variables):
+        calls.append((module, args))
+        return [dict(_result("fit", "ours", 1.0, backend=backend))]
+
+    monkeypatch.setattr(driver, "_run", fake_run)
+    monkeypatch.setattr(driver, "_names", lambda backend: pytest.fail(
+        "the step section ran"))
+    driver.collect(["torch"], fit=True, memory=False, step=False,
+                   say=lambda *_: None)
+    assert calls == [("benchmarks.fit", ())]
+    with pytest.raises(SystemExit):
+        driver.main(["--no-step", "--no-fit", "--no-memory"])
+    assert "nothing to run" in capsys.readouterr().err
+
+
+def test_fit_traffic_of_a_merged_fit_run_takes_the_step_runs_roofline(
+        tmp_path):
+    """A fit section merged from a run of its own (no step records there)
+    is priced at the roofline of the run that measured the backend's
+    steps."""
+    bytes_ = 9 * 4 * 1000
+    step = _results_file(tmp_path / "step.json", "torch", "gpu", results=[
+        _result("step", "ours:ema", 1.0, bytes=bytes_,
+                roofline_seconds=bytes_ / 1e6, bandwidth=1e6)])
+    fit = _results_file(tmp_path / "fit.json", "torch", "gpu", results=[
+        _result("fit", "ours", 0.010, parameters=1000),
+        _result("fit", "ours:ema", 0.012, parameters=1000)])
+    _, _, results = driver.merge_files([step, fit])
+    [(backend, name, added, base, unfused, folded)] = driver.fit_traffic(
+        results)
+    assert (backend, name) == ("torch", "ours:ema")
+    assert round(added, 6) == 0.002 and base == 0.010
+    # One average of 1000 floats: 8 kB folded at the step run's 1 MB/s.
+    assert round(folded, 6) == 0.008 and round(unfused, 6) == 0.012
