@@ -444,3 +444,28 @@ def test_fit_traffic_of_a_merged_fit_run_takes_the_step_runs_roofline(
     assert round(added, 6) == 0.002 and base == 0.010
     # One average of 1000 floats: 8 kB folded at the step run's 1 MB/s.
     assert round(folded, 6) == 0.008 and round(unfused, 6) == 0.012
+
+
+def test_clipping_benchmark_runs_on_this_backend():
+    """Keras' clipping and ours, alone and in an Adam + EMA step, for each
+    rule; an unknown rule is refused by name."""
+    records = _bench_lines(run_python("-m", "benchmarks.clipping",
+                                      backend=BACKEND, timeout=300,
+                                      **SMALL).stdout)
+    assert [(r["bench"], r["name"]) for r in records] == [
+        (f"clipping_{what}", rule)
+        for rule in ("clipnorm", "global_clipnorm", "clipvalue")
+        for what in ("clip", "step")]
+    for r in records:
+        assert r["seconds"] > 0 and r["keras_seconds"] > 0
+        assert r["speedup"] == r["keras_seconds"] / r["seconds"]
+
+
+
+def test_clipping_benchmark_refuses_an_unknown_rule(capsys):
+    from benchmarks import clipping
+
+    with pytest.raises(SystemExit):
+        clipping.main(["--rules", "clipnorm,l2"])
+    err = capsys.readouterr().err
+    assert "unknown l2" in err and "global_clipnorm" in err

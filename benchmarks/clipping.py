@@ -1,0 +1,135 @@
+"""Gradient clipping: Keras' own ``_clip_gradients`` against ours, alone and
+in an Adam + EMA step, for each of Keras' rules (``clipnorm``,
+``global_clipnorm``, ``clipvalue``), on the step benchmark's problem (200
+float32 tensors of 50,000 elements).
+
+    KERAS_BACKEND=torch python -m benchmarks.clipping [--rules ...]
+
+On PyTorch ours clips with torch's multi-tensor kernels (one
+``_foreach_norm`` and one ``_foreach_mul`` for all the gradients) where
+Keras runs its ops gradient by gradient; on JAX and TensorFlow both run
+Keras' rule (ours inside the compiled step). Each measurement is the
+median of ``KEO_BENCH_REPEATS`` calls after warm-up, Keras' and ours
+taking turns in one process; the printed ratios are Keras / ours.
+"""
+
+import argparse
+import os
+import sys
+
+from benchmarks import common
+from benchmarks.step import LR
+from benchmarks.step import MOMENTUM
+from benchmarks.step import tensors
+
+BACKEND = os.environ.get("KERAS_BACKEND", "jax")
+RULES = {"clipnorm": 1.0, "global_clipnorm": 1.0, "clipvalue": 1e-3}
+
+
+def _sync():
+    if BACKEND == "torch":
+        import torch
+
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+    elif BACKEND == "jax":
+        import jax
+
+        jax.effects_barrier()
+
+
+def _block(values):
+    """Wait for ``values`` (JAX dispatches asynchronously)."""
+    if BACKEND == "jax":
+        import jax
+
+        jax.block_until_ready(values)
+
+
+def optimizer(kind, rule):
+    import keras
+
+    import keras_ema_opt
+
+    clip = {rule: RULES[rule]}
+    if kind == "keras":
+        return keras.optimizers.Adam(LR, use_ema=True,
+                                     ema_momentum=MOMENTUM, **clip)
+    return keras_ema_opt.Adam(LR, averaging=keras_ema_opt.EMA(MOMENTUM),
+                              **clip)
+
+
+def measure(rule):
+    """{(what, kind): seconds} for one rule."""
+    import keras
+
+    variables, grads = [], []
+    for w, g in tensors():
+        variables.append(keras.Variable(w))
+        # Large enough that every rule clips.
+        grads.append(keras.ops.convert_to_tensor(g * 100))
+    out = {}
+    for kind in ("keras", "ours"):
+        opt = optimizer(kind, rule)
+        opt.build(variables)
+
+        def clip(opt=opt):
+            _block(opt._clip_gradients(grads))
+
+        def step(opt=opt):
+            if BACKEND == "torch":
+                import torch
+
+                with torch.no_grad():
+                    opt.apply(grads, variables)
+            else:
+                opt.apply(grads, variables)
+            _block([v.value for v in variables])
+
+        out["clip", kind] = common.median_time(clip, _sync)
+        out["step", kind] = common.median_time(step, _sync)
+    return out
+
+
+def run(rules=tuple(RULES)):
+    records = []
+    for rule in rules:
+        times = measure(rule)
+        for what in ("clip", "step"):
+            records.append({
+                "bench": f"clipping_{what}", "backend": BACKEND,
+                "name": rule, "keras_seconds": times[what, "keras"],
+                "seconds": times[what, "ours"],
+                "speedup": times[what, "keras"] / times[what, "ours"]})
+            common.emit(records[-1])
+    return records
+
+
+def table(records):
+    lines = [f"| {BACKEND} | Keras (ms) | ours (ms) | Keras / ours |",
+             "|---|---|---|---|"]
+    for r in records:
+        what = ("clipping alone" if r["bench"] == "clipping_clip" else
+                "Adam + EMA step")
+        lines.append(f"| {r['name']}, {what} | "
+                     f"{r['keras_seconds'] * 1e3:.2f} | "
+                     f"{r['seconds'] * 1e3:.2f} | {r['speedup']:.2f} |")
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rules", default=",".join(RULES),
+                        help="comma-separated: " + ", ".join(RULES))
+    args = parser.parse_args(argv)
+    rules = [r for r in args.rules.split(",") if r]
+    unknown = [r for r in rules if r not in RULES]
+    if unknown:
+        parser.error(f"--rules: unknown {', '.join(unknown)}; accepted: "
+                     f"{', '.join(RULES)}")
+    print(table(run(rules)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
