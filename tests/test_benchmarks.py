@@ -469,3 +469,42 @@ def test_clipping_benchmark_refuses_an_unknown_rule(capsys):
         clipping.main(["--rules", "clipnorm,l2"])
     err = capsys.readouterr().err
     assert "unknown l2" in err and "global_clipnorm" in err
+
+
+def test_kernel_counts_of_an_optimized_hlo_module():
+    from benchmarks import kernels
+
+    text = """HloModule m
+%fused_a (p: f32[4]) -> f32[4] { ROOT %x = f32[4] copy(f32[4] %p) }
+ENTRY %main (a: f32[4], b: f32[4]) -> f32[4] {
+  %f1 = f32[4]{0} fusion(f32[4]{0} %a), kind=kLoop, calls=%fused_a
+  %f2 = (f32[4]{0}, f32[4]{0}) fusion(%a, %b), kind=kLoop, calls=%fused_a
+  %f3 = f32[4]{0} fusion(f32[4]{0} %b), kind=kCustom, calls=%gemm
+  %c = f32[4]{0} copy(f32[4]{0} %f1)
+  %k = f32[4]{0} custom-call(f32[4]{0} %c), custom_call_target="x"
+  ROOT %w = f32[4]{0} while(f32[4]{0} %k), condition=%cond, body=%body
+}
+"""
+    assert kernels.count(text) == {
+        "fusions": 3, "fusion_kinds": {"kLoop": 2, "kCustom": 1},
+        "custom_calls": 1, "copies": 1, "conditionals": 0, "loops": 1}
+
+
+@pytest.mark.skipif(BACKEND != "jax", reason="XLA's dump of JAX's fit step")
+def test_averaging_adds_no_branch_loop_or_copy_to_the_jax_fit_step():
+    """Counted in XLA's optimized fit step: the EMA adds at most a kernel
+    per variable and one for its scalars (one in all on a GPU, where it
+    fuses with the update; one per output on a CPU), and no conditional,
+    loop or copy: at most Keras' own EMA's kernels and one."""
+    out = run_python("-m", "benchmarks.kernels", "--names",
+                     "keras_ema,ours,ours:ema", backend="jax", timeout=600,
+                     **SMALL).stdout
+    records = {r["name"]: r for r in _bench_lines(out)}
+    keras_ema, ours, ema = (records[n] for n in ("keras_ema", "ours",
+                                                 "ours:ema"))
+    n_variables = 2 * int(SMALL["KEO_BENCH_LAYERS"])
+    assert 0 <= ema["fusions"] - ours["fusions"] <= n_variables + 1
+    assert ema["fusions"] <= keras_ema["fusions"] + 1
+    for key in ("copies", "conditionals", "loops", "custom_calls"):
+        assert ema[key] == ours[key], key
+    assert "| ours:ema | cpu |" in out
