@@ -106,15 +106,12 @@ def run(rules=tuple(RULES)):
 
 
 def table(records):
-    lines = [f"| {BACKEND} | Keras (ms) | ours (ms) | Keras / ours |",
-             "|---|---|---|---|"]
-    for r in records:
-        what = ("clipping alone" if r["bench"] == "clipping_clip" else
-                "Adam + EMA step")
-        lines.append(f"| {r['name']}, {what} | "
-                     f"{r['keras_seconds'] * 1e3:.2f} | "
-                     f"{r['seconds'] * 1e3:.2f} | {r['speedup']:.2f} |")
-    return "\n".join(lines)
+    return common.markdown_table(
+        [BACKEND, "Keras (ms)", "ours (ms)", "Keras / ours"],
+        [[f"{r['name']}, " + ("clipping alone" if r["bench"] ==
+                              "clipping_clip" else "Adam + EMA step"),
+          f"{r['keras_seconds'] * 1e3:.2f}", f"{r['seconds'] * 1e3:.2f}",
+          f"{r['speedup']:.2f}"] for r in records])
 
 
 def main(argv=None):
@@ -122,12 +119,8 @@ def main(argv=None):
     parser.add_argument("--rules", default=",".join(RULES),
                         help="comma-separated: " + ", ".join(RULES))
     args = parser.parse_args(argv)
-    rules = [r for r in args.rules.split(",") if r]
-    unknown = [r for r in rules if r not in RULES]
-    if unknown:
-        parser.error(f"--rules: unknown {', '.join(unknown)}; accepted: "
-                     f"{', '.join(RULES)}")
-    print(table(run(rules)))
+    print(table(run(common.comma_list(parser, "--rules", args.rules,
+                                      RULES))))
     return 0
 
 

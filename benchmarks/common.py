@@ -101,6 +101,27 @@ def current_rss_bytes():
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
+def markdown_table(header, rows):
+    """A markdown table of ``header`` (cells) and ``rows`` (lists of
+    cells, each turned to text)."""
+    lines = ["| " + " | ".join(header) + " |",
+             "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(str(cell) for cell in row) + " |"
+              for row in rows]
+    return "\n".join(lines)
+
+
+def comma_list(parser, option, value, accepted):
+    """The names of a comma-separated ``value`` of ``option``; the parser's
+    error (exit 2) names any not in ``accepted``, and what is."""
+    names = [n for n in value.split(",") if n]
+    unknown = [n for n in names if n not in accepted]
+    if unknown:
+        parser.error(f"{option}: unknown {', '.join(unknown)}; accepted: "
+                     f"{', '.join(accepted)}")
+    return names
+
+
 def emit(result):
     """One JSON line on stdout, for the driver."""
     print("BENCH " + json.dumps(result), flush=True)

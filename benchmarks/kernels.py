@@ -100,16 +100,13 @@ def run(names):
 
 
 def table(records):
-    lines = ["| configuration | platform | fusions (kernels) | by kind | "
-             "custom calls | copies | conditionals | loops |",
-             "|---|---|---|---|---|---|---|---|"]
-    for r in records:
-        kinds = ", ".join(f"{k} {v}" for k, v in
-                          sorted(r["fusion_kinds"].items()))
-        lines.append(f"| {r['name']} | {r['platform']} | {r['fusions']} | "
-                     f"{kinds} | {r['custom_calls']} | {r['copies']} | "
-                     f"{r['conditionals']} | {r['loops']} |")
-    return "\n".join(lines)
+    return common.markdown_table(
+        ["configuration", "platform", "fusions (kernels)", "by kind",
+         "custom calls", "copies", "conditionals", "loops"],
+        [[r["name"], r["platform"], r["fusions"],
+          ", ".join(f"{k} {v}" for k, v in sorted(r["fusion_kinds"].items())),
+          r["custom_calls"], r["copies"], r["conditionals"], r["loops"]]
+         for r in records])
 
 
 def main(argv=None):
@@ -126,12 +123,8 @@ def main(argv=None):
     if args.one:
         _compile_one(args.one)
         return 0
-    names = [n for n in args.names.split(",") if n]
-    unknown = [n for n in names if n not in NAMES]
-    if unknown:
-        parser.error(f"--names: unknown {', '.join(unknown)}; accepted: "
-                     f"{', '.join(NAMES)}")
-    print(table(run(names)))
+    print(table(run(common.comma_list(parser, "--names", args.names,
+                                      NAMES))))
     return 0
 
 

@@ -182,7 +182,8 @@ def test_from_json_refuses_a_configuration_measured_twice(tmp_path, capsys):
         _result("step", "ours:ema", 1.0), _result("step", "ours:ema", 2.0)])
     with pytest.raises(SystemExit):
         driver.main(["--from-json", twice])
-    assert f"step torch ours:ema is twice in {twice}" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert f"step torch ours:ema is twice in {twice}" in err
     for text, says in (('{"results": []}', "no meta.device"),
                        ('{"meta": {"device": "gpu"}, "results": []}',
                         "no results"),
