@@ -232,6 +232,12 @@ def _bytes(averages):
     return common.adam_bytes(1, averages)
 
 
+def _averages(r, step):
+    """The averages a fit record's configuration keeps: its own count, or
+    (records written before fit records had it) its step record's."""
+    return r.get("averages", step.get(r["name"], {}).get("averages", 1))
+
+
 def checks(results):
     """Each bound of the performance issue: (what, measured, bound, ok);
     ``bound`` and ``ok`` are None for a value given for reference (a peer's
@@ -290,7 +296,7 @@ def _fit_checks(backend, step, fit):
         if name.startswith("ours:"):
             # 10% per average kept (PowerEMA keeps two: their traffic is
             # allowed, no more).
-            k = step.get(name, {}).get("averages", 1)
+            k = _averages(r, step)
             ratio = _paired(r, fit["ours"], lambda a, b: a / b) - 1
             out.append((f"{backend} fit: {name} added to the step"
                         f"{f' ({k} averages)' if k != 1 else ''}",
@@ -318,13 +324,35 @@ def _memory_checks(backend, memory, doubled):
     return out
 
 
+# The distributions whose versions a run records, per backend.
+PACKAGES = {"jax": ("jax", "jaxlib", "optax"),
+            "tensorflow": ("tensorflow", "tf_keras"),
+            "torch": ("torch", "torch-ema")}
+
+
+def versions(backends):
+    """{distribution: version} of Keras, numpy and the backends' own
+    (read from their metadata, nothing imported); absent ones left out."""
+    from importlib import metadata
+
+    out = {}
+    for name in ("keras", "numpy") + tuple(
+            p for b in backends for p in PACKAGES.get(b, ())):
+        try:
+            out[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            pass
+    return out
+
+
 def machine_meta(device, results):
     """What the run of ``results`` was made on, stored with them."""
+    backends = sorted({r["backend"] for r in results})
     return {"device": device, "machine": platform.machine(),
             "processor": platform.processor(), "cores": os.cpu_count(),
             "python": platform.python_version(),
             "date": time.strftime("%Y-%m-%d %H:%M:%S"),
-            "backends": sorted({r["backend"] for r in results})}
+            "backends": backends, "versions": versions(backends)}
 
 
 def _describe(meta):
@@ -334,7 +362,8 @@ def _describe(meta):
         f"{m.get('device', '?')}, "
         f"{m.get('processor') or m.get('machine', '?')}, "
         f"{m.get('cores', '?')} cores, Python {m.get('python', '?')}, "
-        f"{m.get('date', '?')}" for m in runs)
+        + "".join(f"{k} {v}, " for k, v in m.get("versions", {}).items())
+        + f"{m.get('date', '?')}" for m in runs)
 
 
 def table(results, device, meta=None):
@@ -392,17 +421,19 @@ def fit_traffic(results):
         step = _by(results, "step", backend)
         fit = _by(results, "fit", backend)
         base = fit.get("ours")
-        # The roofline of the run that measured this backend's steps (a
-        # merged file may hold its fit steps from another run of the same
-        # machine).
-        run = next((r.get("run") for r in step.values()), None)
-        bandwidth = roofline_bandwidth(results, run)[0] if step else 0.0
-        if base is None or not bandwidth:
+        if base is None or not step:
             continue
         for name, r in sorted(fit.items()):
             if not name.startswith("ours:") or "parameters" not in r:
                 continue
-            k = step.get(name, {}).get("averages", 1)
+            # The roofline of the run that measured this configuration's
+            # step (a merged file may hold its fit steps from another run
+            # of the same machine), else of the backend's first step run.
+            run = step.get(name, next(iter(step.values()))).get("run")
+            bandwidth = roofline_bandwidth(results, run)[0]
+            if not bandwidth:
+                continue
+            k = _averages(r, step)
             n = r["parameters"]
             # The roofline's bytes of k averages, and the new weight read
             # back (one float more per two) where they are not folded.

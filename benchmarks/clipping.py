@@ -10,7 +10,8 @@ On PyTorch ours clips with torch's multi-tensor kernels (one
 Keras runs its ops gradient by gradient; on JAX and TensorFlow both run
 Keras' rule (ours inside the compiled step). Each measurement is the
 median of ``KEO_BENCH_REPEATS`` calls after warm-up, Keras' and ours
-taking turns in one process; the printed ratios are Keras / ours.
+taking turns call by call in one process (``interleaved``); the printed
+ratios are Keras / ours.
 """
 
 import argparse
@@ -59,6 +60,29 @@ def optimizer(kind, rule):
                               **clip)
 
 
+def interleaved(fns, sync, warmup=common.WARMUP, repeats=common.REPEATS):
+    """{key: median seconds} of each of ``fns`` ({key: function}), their
+    calls taking turns, in reversed order every other repeat: a slow
+    spell of the machine, or the allocator's state one of them leaves,
+    falls on all of them alike."""
+    import statistics
+    import time
+
+    for fn in fns.values():
+        for _ in range(warmup):
+            fn()
+    sync()
+    times = {key: [] for key in fns}
+    order = list(fns)
+    for i in range(repeats):
+        for key in order if i % 2 == 0 else order[::-1]:
+            start = time.perf_counter()
+            fns[key]()
+            sync()
+            times[key].append(time.perf_counter() - start)
+    return {key: statistics.median(t) for key, t in times.items()}
+
+
 def measure(rule):
     """{(what, kind): seconds} for one rule."""
     import keras
@@ -68,7 +92,7 @@ def measure(rule):
         variables.append(keras.Variable(w))
         # Large enough that every rule clips.
         grads.append(keras.ops.convert_to_tensor(g * 100))
-    out = {}
+    fns = {}
     for kind in ("keras", "ours"):
         opt = optimizer(kind, rule)
         opt.build(variables)
@@ -86,8 +110,12 @@ def measure(rule):
                 opt.apply(grads, variables)
             _block([v.value for v in variables])
 
-        out["clip", kind] = common.median_time(clip, _sync)
-        out["step", kind] = common.median_time(step, _sync)
+        fns["clip", kind] = clip
+        fns["step", kind] = step
+    out = {}
+    for what in ("clip", "step"):
+        out.update(interleaved({key: fn for key, fn in fns.items()
+                                if key[0] == what}, _sync))
     return out
 
 

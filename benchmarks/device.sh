@@ -12,15 +12,18 @@
 #                                            # call, section by section
 #
 # `all` is for a lease too short for two full runs (15 minutes of device
-# time, the machine's start included): each backend's optimizer steps
-# (one round: each configuration in its own process, the median of
-# KEO_BENCH_REPEATS steps), then its fit steps (KEO_BENCH_ROUNDS=2 rounds,
-# the averaged configurations beside their baselines in both orders), then
-# its peak memory, each section a `python -m benchmarks` of its own whose
-# results file is copied to $OUT as soon as it is written
-# (<backend>-<section>-gpu-results.json). A section is started only while
-# SECONDS (default 540) are not spent, and killed at that deadline: what
-# was finished comes back. Merge them here with --from-json.
+# time, the machine's start included). It runs, in this order, what is
+# lost first at the deadline last: the optimizer steps of JAX, then of
+# PyTorch (one round: each configuration in its own process, the median
+# of KEO_BENCH_REPEATS steps); the fit steps of PyTorch, then of JAX
+# (KEO_BENCH_ROUNDS=2 rounds, the averaged configurations beside their
+# baselines in both orders); the peak memory of PyTorch, then of JAX.
+# Each section is a `python -m benchmarks` of its own whose results file
+# is copied to $OUT as soon as it is written
+# (<backend>-<section>-gpu-results.json). A section starts only with
+# MIN_SECTION seconds (default 90) left of SECONDS (default 540), and is
+# killed at that deadline: what finished comes back. Merge them here with
+# --from-json.
 #
 # The machine holds PyTorch, JAX, optax and matplotlib for Python 3.12, but
 # no Keras, no torch-ema and no TensorFlow (whose GPU wheel is larger than
@@ -64,7 +67,7 @@ all)
         local name=$1 left
         shift
         left=$(( deadline - $(date +%s) ))
-        if (( left < 30 )); then
+        if (( left < ${MIN_SECTION:-90} )); then
             echo "[device] $name: not started, ${left} s left"
             return 0
         fi

@@ -31,20 +31,37 @@ NAMES = ("keras", "keras_ema", "ours", "ours:ema", "ours:ema_power",
 BATCHES = 4
 
 
+# ENTRY instructions that launch no work of their own.
+_NO_WORK = {"parameter", "constant", "bitcast", "tuple", "get-tuple-element"}
+
+
 def count(hlo_text):
     """Counts of the ENTRY computation of an optimized HLO module: fusions
     by kind, custom calls (library kernels: matrix products), copies,
-    conditionals and loops."""
-    entry = hlo_text[hlo_text.rfind("\nENTRY"):]
-    fusions = re.findall(r" fusion\(.*?kind=(k\w+)", entry)
+    conditionals, loops, and any other instruction that does work unfused
+    (``other``: a ``dot`` XLA left alone on a CPU, say)."""
+    start = hlo_text.rfind("\nENTRY")
+    if start < 0:
+        raise ValueError("benchmarks.kernels: no ENTRY computation in the "
+                         "HLO text (not an HLO module dump?)")
+    opcodes = re.findall(r"^\s*(?:ROOT )?%?[\w.\-]+ = .*?\s([a-z][\w\-]*)\(",
+                         hlo_text[start:], re.M)
+    fusions = re.findall(r" fusion\(.*?kind=(k\w+)", hlo_text[start:])
     kinds = {}
     for kind in fusions:
         kinds[kind] = kinds.get(kind, 0) + 1
+    named = {"fusion", "custom-call", "copy", "conditional", "while"}
     return {"fusions": len(fusions), "fusion_kinds": kinds,
-            "custom_calls": len(re.findall(r" custom-call\(", entry)),
-            "copies": len(re.findall(r" copy\(", entry)),
-            "conditionals": len(re.findall(r" conditional\(", entry)),
-            "loops": len(re.findall(r" while\(", entry))}
+            "custom_calls": opcodes.count("custom-call"),
+            "copies": opcodes.count("copy"),
+            "conditionals": opcodes.count("conditional"),
+            "loops": opcodes.count("while"),
+            "other": sum(1 for op in opcodes
+                         if op not in named and op not in _NO_WORK)}
+
+
+def _module_number(path):
+    return int(re.search(r"module_(\d+)", os.path.basename(path)).group(1))
 
 
 def _compile_one(name):
@@ -62,8 +79,11 @@ def _compile_one(name):
     model.compile(optimizer=keras_optimizer(name), loss="mse")
     model.fit(x, x, batch_size=fit.BATCH, epochs=1, shuffle=False,
               verbose=0)
-    dumped = sorted(glob.glob(os.path.join(os.environ["KEO_KERNELS_DUMP"],
-                                           "*train_step*after_optim*.txt")))
+    # The module's HLO (not its buffer-assignment or memory reports), the
+    # last compiled (module numbers are not zero-padded alike everywhere).
+    dumped = sorted(glob.glob(os.path.join(
+        os.environ["KEO_KERNELS_DUMP"],
+        "*train_step*after_optimizations.txt")), key=_module_number)
     if not dumped:
         raise RuntimeError("benchmarks.kernels: XLA dumped no train step "
                            f"module for {name}")
@@ -102,11 +122,11 @@ def run(names):
 def table(records):
     return common.markdown_table(
         ["configuration", "platform", "fusions (kernels)", "by kind",
-         "custom calls", "copies", "conditionals", "loops"],
+         "custom calls", "copies", "conditionals", "loops", "other"],
         [[r["name"], r["platform"], r["fusions"],
           ", ".join(f"{k} {v}" for k, v in sorted(r["fusion_kinds"].items())),
-          r["custom_calls"], r["copies"], r["conditionals"], r["loops"]]
-         for r in records])
+          r["custom_calls"], r["copies"], r["conditionals"], r["loops"],
+          r["other"]] for r in records])
 
 
 def main(argv=None):
