@@ -17,7 +17,9 @@
 # PyTorch (one round: each configuration in its own process, the median
 # of KEO_BENCH_REPEATS steps); the fit steps of PyTorch, then of JAX
 # (KEO_BENCH_ROUNDS=2 rounds, the averaged configurations beside their
-# baselines in both orders); the peak memory of PyTorch, then of JAX.
+# baselines in both orders); the peak memory of PyTorch, then of JAX;
+# the kernels of JAX's compiled fit step (benchmarks.kernels, to
+# $OUT/jax-kernels.txt).
 # Each section is a `python -m benchmarks` of its own whose results file
 # is copied to $OUT as soon as it is written
 # (<backend>-<section>-gpu-results.json). A section starts only with
@@ -93,6 +95,17 @@ all)
     for backend in torch jax; do
         section "$backend-memory" --backends "$backend" --no-step --no-fit
     done
+    # Last: the kernels of JAX's compiled fit step (no timing).
+    left=$(( deadline - $(date +%s) ))
+    if (( left >= ${MIN_SECTION:-90} )); then
+        echo "[device] jax-kernels: started, ${left} s left"
+        KERAS_BACKEND=jax timeout "$left" python3 -m benchmarks.kernels \
+            --names keras,keras_ema,ours,ours:ema,ours:swa \
+            > "$out/jax-kernels.txt" ||
+            echo "[device] jax-kernels: failed or out of time (status $?)"
+    else
+        echo "[device] jax-kernels: not started, ${left} s left"
+    fi
     ls -l "$out"
     ;;
 *)
