@@ -183,7 +183,7 @@ def collect(backends, fit=True, memory=True, say=print,
         # falls on one round of one configuration, not on its median.
         names = _names(backend) if step else []
         runs = {name: [] for name in names}
-        for r in range(step_rounds if step else 0):
+        for r in range(step_rounds):
             for name in step_schedule(names, r):
                 say(f"[bench] {backend}: optimizer step, {name} "
                     f"(round {r + 1} of {step_rounds})")

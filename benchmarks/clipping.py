@@ -15,12 +15,14 @@ ratios are Keras / ours.
 """
 
 import argparse
+import contextlib
 import os
 import sys
 
 from benchmarks import common
 from benchmarks.step import LR
 from benchmarks.step import MOMENTUM
+from benchmarks.step import _sync_torch
 from benchmarks.step import tensors
 
 BACKEND = os.environ.get("KERAS_BACKEND", "jax")
@@ -29,10 +31,7 @@ RULES = {"clipnorm": 1.0, "global_clipnorm": 1.0, "clipvalue": 1e-3}
 
 def _sync():
     if BACKEND == "torch":
-        import torch
-
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
+        _sync_torch()
     elif BACKEND == "jax":
         import jax
 
@@ -92,6 +91,12 @@ def measure(rule):
         variables.append(keras.Variable(w))
         # Large enough that every rule clips.
         grads.append(keras.ops.convert_to_tensor(g * 100))
+    if BACKEND == "torch":
+        import torch
+
+        no_grad = torch.no_grad
+    else:
+        no_grad = contextlib.nullcontext
     fns = {}
     for kind in ("keras", "ours"):
         opt = optimizer(kind, rule)
@@ -101,12 +106,7 @@ def measure(rule):
             _block(opt._clip_gradients(grads))
 
         def step(opt=opt):
-            if BACKEND == "torch":
-                import torch
-
-                with torch.no_grad():
-                    opt.apply(grads, variables)
-            else:
+            with no_grad():
                 opt.apply(grads, variables)
             _block([v.value for v in variables])
 

@@ -33,6 +33,15 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 WHEELS=.whl
+
+setup() {  # there: the carried wheels, and what every run needs
+    python3 -m pip install -q --no-index --no-deps --no-compile \
+        --no-cache-dir --upgrade --target /tmp/site "$WHEELS"/*.whl
+    export PYTHONPATH="/tmp/site:$PWD" PYTHONUNBUFFERED=1
+    export XLA_PYTHON_CLIENT_PREALLOCATE=false
+    nvidia-smi -L || echo "no nvidia-smi: this run is not on a GPU"
+}
+
 case "${1:-}" in
 fetch)
     mkdir -p "$WHEELS"
@@ -45,12 +54,8 @@ fetch)
     ;;
 run)
     backend=${2:?"run needs a backend: jax or torch"}
-    python3 -m pip install -q --no-index --no-deps --no-compile \
-        --no-cache-dir --upgrade --target /tmp/site "$WHEELS"/*.whl
-    export PYTHONPATH="/tmp/site:$PWD" PYTHONUNBUFFERED=1
-    export XLA_PYTHON_CLIENT_PREALLOCATE=false
+    setup
     out=${OUT:-benchmarks/results/$backend}
-    nvidia-smi -L || echo "no nvidia-smi: this run is not on a GPU"
     python3 -m benchmarks --backends "$backend" --out "$out"
     for f in "$out"/*-results.json; do
         mv "$f" "$out/$backend-$(basename "$f")"
@@ -58,22 +63,21 @@ run)
     ;;
 all)
     deadline=$(( $(date +%s) + ${2:-540} ))
-    python3 -m pip install -q --no-index --no-deps --no-compile \
-        --no-cache-dir --upgrade --target /tmp/site "$WHEELS"/*.whl
-    export PYTHONPATH="/tmp/site:$PWD" PYTHONUNBUFFERED=1
-    export XLA_PYTHON_CLIENT_PREALLOCATE=false
+    setup
     out=${OUT:-benchmarks/results/device}
     mkdir -p "$out"
-    nvidia-smi -L || echo "no nvidia-smi: this run is not on a GPU"
-    section() {  # name, then the driver's arguments
-        local name=$1 left
-        shift
+    starts() {  # name: whether a section may start; sets $left
         left=$(( deadline - $(date +%s) ))
         if (( left < ${MIN_SECTION:-90} )); then
-            echo "[device] $name: not started, ${left} s left"
-            return 0
+            echo "[device] $1: not started, ${left} s left"
+            return 1
         fi
-        echo "[device] $name: started, ${left} s left"
+        echo "[device] $1: started, ${left} s left"
+    }
+    section() {  # name, then the driver's arguments
+        local name=$1
+        shift
+        starts "$name" || return 0
         rm -rf "/tmp/bench-$name"
         if timeout "$left" python3 -m benchmarks --out "/tmp/bench-$name" \
                 "$@"; then
@@ -96,15 +100,11 @@ all)
         section "$backend-memory" --backends "$backend" --no-step --no-fit
     done
     # Last: the kernels of JAX's compiled fit step (no timing).
-    left=$(( deadline - $(date +%s) ))
-    if (( left >= ${MIN_SECTION:-90} )); then
-        echo "[device] jax-kernels: started, ${left} s left"
+    if starts jax-kernels; then
         KERAS_BACKEND=jax timeout "$left" python3 -m benchmarks.kernels \
             --names keras,keras_ema,ours,ours:ema,ours:swa \
             > "$out/jax-kernels.txt" ||
             echo "[device] jax-kernels: failed or out of time (status $?)"
-    else
-        echo "[device] jax-kernels: not started, ${left} s left"
     fi
     ls -l "$out"
     ;;

@@ -32,8 +32,8 @@ import time
 import numpy as np
 
 from benchmarks import common
+from benchmarks.step import configurations
 from benchmarks.step import keras_optimizer
-from benchmarks.step import n_averages
 
 BACKEND = os.environ.get("KERAS_BACKEND", "jax")
 LAYERS = int(os.environ.get("KEO_BENCH_LAYERS", 60))
@@ -82,13 +82,6 @@ NAMES = ("keras", "keras_ema", "ours", "ours:ema", "ours:ema_power",
 BASELINES = {"keras_ema": "keras", "ours:ema": "ours",
              "ours:ema_power": "ours", "ours:swa": "ours",
              "ours:powerema": "ours"}
-
-
-def averages(name):
-    """The number of averages configuration ``name`` keeps."""
-    if name.startswith("ours:"):
-        return n_averages(name.split(":", 1)[1])
-    return 1 if name == "keras_ema" else 0
 
 
 def _turns(names, round_index):
@@ -145,10 +138,11 @@ def run(names=NAMES, rounds=ROUNDS):
                 times[run_name][-1].append(seconds)
             if base is not None:  # the baseline's run of this turn
                 beside[name].append(times[base][-1][-1])
+    configs = configurations()
     for name in names:
         runs = [t for round_times in times[name] for t in round_times]
         record = {"bench": "fit", "backend": BACKEND, "name": name,
-                  "averages": averages(name),
+                  "averages": configs[name][2],
                   "seconds": statistics.median(runs),
                   "rounds": [statistics.median(t) for t in times[name]],
                   "parameters": parameters[name]}

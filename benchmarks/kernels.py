@@ -23,10 +23,9 @@ import tempfile
 from pathlib import Path
 
 from benchmarks import common
+from benchmarks.fit import NAMES
 
 ROOT = Path(__file__).resolve().parent.parent
-NAMES = ("keras", "keras_ema", "ours", "ours:ema", "ours:ema_power",
-         "ours:swa", "ours:powerema")
 # A few batches compile the step (its time is not measured here).
 BATCHES = 4
 
