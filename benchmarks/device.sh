@@ -19,7 +19,8 @@
 # (KEO_BENCH_ROUNDS=2 rounds, the averaged configurations beside their
 # baselines in both orders); the peak memory of PyTorch, then of JAX;
 # the kernels of JAX's compiled fit step (benchmarks.kernels, to
-# $OUT/jax-kernels.txt).
+# $OUT/jax-kernels.txt), then of its optimizer step alone with the bytes
+# they move (benchmarks.kernels --step, to $OUT/jax-step-kernels.txt).
 # Each section is a `python -m benchmarks` of its own whose results file
 # is copied to $OUT as soon as it is written
 # (<backend>-<section>-gpu-results.json). A section starts only with
@@ -105,6 +106,13 @@ all)
             --names keras,keras_ema,ours,ours:ema,ours:swa \
             > "$out/jax-kernels.txt" ||
             echo "[device] jax-kernels: failed or out of time (status $?)"
+    fi
+    # And those of the optimizer step alone, with the bytes they move.
+    if starts jax-step-kernels; then
+        KERAS_BACKEND=jax timeout "$left" python3 -m benchmarks.kernels \
+            --step > "$out/jax-step-kernels.txt" ||
+            echo "[device] jax-step-kernels: failed or out of time" \
+                "(status $?)"
     fi
     ls -l "$out"
     ;;

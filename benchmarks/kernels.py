@@ -3,6 +3,16 @@ fit benchmark's step (a 60-layer ``Dense(256)`` MLP, Adam) with Keras' own
 ``use_ema`` and with ours, counted in its optimized HLO.
 
     KERAS_BACKEND=jax python -m benchmarks.kernels [--names keras,ours:ema]
+    KERAS_BACKEND=jax python -m benchmarks.kernels --step [--names ...]
+
+With ``--step``, the step benchmark's optimizer step alone (200 tensors of
+50,000 floats; ``optax`` beside Keras' and ours) instead, and with its
+kernels the bytes they read and write (``traffic``) against the bytes the
+step must move (``common.adam_bytes``): the share of the roofline that the
+compiled program can reach at best, whatever its speed. On a CPU, XLA
+gives each output of an update a loop of its own (no multi-output
+fusion): Adam's new moments are written, then read back by the weight's
+loop, and the new weight read back by its average's loop.
 
 An average folded into the update is computed in the update's own
 kernels: the step with it has the kernels of the step without it (on a
@@ -13,6 +23,7 @@ of its own, with XLA's dump of the train step's module.
 """
 
 import argparse
+import gc
 import glob
 import json
 import os
@@ -21,6 +32,8 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+
+import numpy as np
 
 from benchmarks import common
 from benchmarks.fit import NAMES
@@ -59,6 +72,58 @@ def count(hlo_text):
                          if op not in named and op not in _NO_WORK)}
 
 
+_ITEMSIZE = {"pred": 1, "s8": 1, "u8": 1, "f16": 2, "bf16": 2, "s16": 2,
+             "u16": 2, "f32": 4, "s32": 4, "u32": 4, "f64": 8, "s64": 8,
+             "u64": 8, "c64": 8, "c128": 16, "token": 0}
+
+
+def _shape_bytes(text):
+    """Bytes of every array in an HLO shape (a tuple's elements summed)."""
+    total = 0
+    for dtype, dims in re.findall(r"\b([a-z]+\d*)\[([\d,]*)\]", text):
+        if dtype not in _ITEMSIZE:
+            raise ValueError(f"benchmarks.kernels: unknown HLO element type "
+                             f"{dtype!r} (known: {', '.join(_ITEMSIZE)})")
+        total += _ITEMSIZE[dtype] * int(np.prod(
+            [int(d) for d in dims.split(",") if d]))
+    return total
+
+
+_INSTRUCTION = re.compile(
+    r"^\s*(?:ROOT )?%?([\w.\-]+) = (.*?)\s([a-z][\w\-]*)\((.*)$", re.M)
+
+
+def traffic(hlo_text):
+    """Bytes the ENTRY computation's work reads and writes: each
+    instruction that launches work (a fusion, a copy, a custom call, an
+    unfused op) reads its operands and writes its result, in full. What
+    stays in registers inside a fusion is not counted; what a fusion
+    writes and another reads back is counted twice, as the memory moves
+    it."""
+    start = hlo_text.rfind("\nENTRY")
+    if start < 0:
+        raise ValueError("benchmarks.kernels: no ENTRY computation in the "
+                         "HLO text (not an HLO module dump?)")
+    entry = hlo_text[start:]
+    header = entry[:entry.index("\n", 1)]
+    shapes = {name: _shape_bytes(shape) for name, shape in re.findall(
+        r"([\w.\-]+): ((?:\([^()]*\))|[a-z]+\d*\[[\d,]*\])", header)}
+    moved = 0
+    for name, shape, opcode, rest in _INSTRUCTION.findall(entry):
+        shapes[name] = _shape_bytes(shape)
+        if opcode in _NO_WORK:
+            continue
+        # The operands: up to the call's closing parenthesis.
+        depth, end = 1, 0
+        for end, char in enumerate(rest):
+            depth += {"(": 1, ")": -1}.get(char, 0)
+            if depth == 0:
+                break
+        operands = re.findall(r"%([\w.\-]+)", rest[:end])
+        moved += shapes[name] + sum(shapes[o] for o in operands)
+    return moved
+
+
 def _module_number(path):
     return int(re.search(r"module_(\d+)", os.path.basename(path)).group(1))
 
@@ -66,8 +131,6 @@ def _module_number(path):
 def _compile_one(name):
     """In a process whose XLA_FLAGS dump the train step: fit a few
     batches, then count the kernels of the dumped module."""
-    import numpy as np
-
     from benchmarks import fit
     from benchmarks.step import keras_optimizer
 
@@ -91,6 +154,51 @@ def _compile_one(name):
     common.emit(dict(count(Path(dumped[-1]).read_text()), bench="kernels",
                      backend="jax", name=name,
                      platform=jax.devices()[0].platform))
+
+
+STEP_NAMES = ("keras", "keras_ema", "optax_adam", "optax_ema", "ours",
+              "ours:ema", "ours:ema_power", "ours:swa", "ours:powerema")
+
+
+def run_step(names=STEP_NAMES):
+    """The step benchmark's compiled steps, one after another in this
+    process: their kernels (``count``), bytes moved (``traffic``) and the
+    bytes the step must move."""
+    import jax
+
+    from benchmarks import step
+
+    configs = step.configurations()
+    n = common.N_TENSORS * common.SIZE
+    records = []
+    for name in names:
+        builder, kind, averages = configs[name]
+        run_step_once, _ = builder(kind)
+        run_step_once()  # the buffers as the timed steps see them
+        text = run_step_once.compiled_text()
+        needed = common.adam_bytes(n, averages)
+        moved = traffic(text)
+        record = dict(count(text), bench="step_kernels", backend="jax",
+                      name=name, platform=jax.devices()[0].platform,
+                      averages=averages, moved_bytes=moved,
+                      needed_bytes=needed, moved_per_needed=moved / needed)
+        common.emit(record)
+        records.append(record)
+        del run_step_once
+        gc.collect()
+    return records
+
+
+def step_table(records):
+    """A markdown table of ``run_step``'s records."""
+    return common.markdown_table(
+        ["configuration", "platform", "fusions (kernels)", "copies",
+         "moved (MB)", "must move (MB)", "moved / must move",
+         "roofline share at best"],
+        [[r["name"], r["platform"], r["fusions"], r["copies"],
+          f"{r['moved_bytes'] / 1e6:.1f}", f"{r['needed_bytes'] / 1e6:.1f}",
+          f"{r['moved_per_needed']:.2f}", f"{1 / r['moved_per_needed']:.2f}"]
+         for r in records])
 
 
 def run(names):
@@ -130,9 +238,12 @@ def table(records):
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--names", default=",".join(NAMES),
+    parser.add_argument("--names", default=None,
                         help="comma-separated configurations of "
-                        "benchmarks.fit")
+                        "benchmarks.fit (with --step: of benchmarks.step)")
+    parser.add_argument("--step", action="store_true",
+                        help="the step benchmark's optimizer step alone, "
+                        "with the bytes its kernels move")
     parser.add_argument("--one", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     backend = os.environ.get("KERAS_BACKEND", "jax")
@@ -142,8 +253,13 @@ def main(argv=None):
     if args.one:
         _compile_one(args.one)
         return 0
-    print(table(run(common.comma_list(parser, "--names", args.names,
-                                      NAMES))))
+    accepted = STEP_NAMES if args.step else NAMES
+    names = common.comma_list(parser, "--names",
+                              args.names or ",".join(accepted), accepted)
+    if args.step:
+        print(step_table(run_step(names)))
+    else:
+        print(table(run(names)))
     return 0
 
 

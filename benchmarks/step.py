@@ -105,6 +105,9 @@ def keras_step(kind):
 
     def step():
         state["t"], state["o"] = fn(state["t"], state["o"], grads)
+    # XLA's optimized HLO of the step (benchmarks.kernels --step).
+    step.compiled_text = lambda: fn.lower(
+        state["t"], state["o"], grads).compile().as_text()
     return step, lambda: jax.block_until_ready(state["t"])
 
 
@@ -194,6 +197,8 @@ def optax_step(kind):
     def step():
         state["p"], state["s"], state["e"] = fn(state["p"], state["s"],
                                                 state["e"], grads)
+    step.compiled_text = lambda: fn.lower(
+        state["p"], state["s"], state["e"], grads).compile().as_text()
     return step, lambda: jax.block_until_ready(state["p"])
 
 

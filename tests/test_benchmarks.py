@@ -476,10 +476,7 @@ def test_clipping_benchmark_refuses_an_unknown_rule(capsys):
     assert "unknown l2" in err and "global_clipnorm" in err
 
 
-def test_kernel_counts_of_an_optimized_hlo_module():
-    from benchmarks import kernels
-
-    text = """HloModule m
+HLO_MODULE = """HloModule m
 %fused_a (p: f32[4]) -> f32[4] { ROOT %x = f32[4] copy(f32[4] %p) }
 ENTRY %main (a: f32[4], b: f32[4]) -> f32[4] {
   %f1 = f32[4]{0} fusion(f32[4]{0} %a), kind=kLoop, calls=%fused_a
@@ -493,12 +490,70 @@ ENTRY %main (a: f32[4], b: f32[4]) -> f32[4] {
   ROOT %w = f32[4]{0} while(f32[4]{0} %g), condition=%cond, body=%body
 }
 """
-    assert kernels.count(text) == {
+
+
+def test_kernel_counts_of_an_optimized_hlo_module():
+    from benchmarks import kernels
+
+    assert kernels.count(HLO_MODULE) == {
         "fusions": 3, "fusion_kinds": {"kLoop": 2, "kCustom": 1},
         "custom_calls": 1, "copies": 1, "conditionals": 0, "loops": 1,
         "other": 1}
     with pytest.raises(ValueError, match="no ENTRY"):
         kernels.count("HloModule m\n")
+
+
+def test_traffic_of_an_optimized_hlo_module():
+    """Each instruction that works reads its operands and writes its
+    result, in full (a tuple's elements summed); a parameter, tuple or
+    tuple element moves nothing of its own."""
+    from benchmarks import kernels
+
+    # f1 16+16, f2 32+32, f3 16+16, copy 16+16, custom call 16+16,
+    # dot 4+32, while 16+16
+    assert kernels.traffic(HLO_MODULE) == 260
+    # Parameters declared only as instructions, a tuple parameter's
+    # arrays summed, other element types by their size.
+    assert kernels.traffic("""HloModule m
+ENTRY %main {
+  %p = (f32[2,3]{1,0}, bf16[4]{0}) parameter(0)
+  %q = s64[5]{0} parameter(1)
+  %f = f64[3]{0} fusion(%p, %q), kind=kLoop, calls=%c
+}
+""") == (24 + 8) + 40 + 24
+    with pytest.raises(ValueError, match="unknown HLO element type 'q9'"):
+        kernels.traffic("HloModule m\nENTRY %main {\n"
+                        "  %f = q9[3]{0} fusion(), kind=kLoop, calls=%c\n}")
+    with pytest.raises(ValueError, match="no ENTRY"):
+        kernels.traffic("HloModule m\n")
+
+
+@pytest.mark.skipif(BACKEND != "jax", reason="XLA's compiled JAX step")
+def test_the_compiled_jax_step_moves_no_more_than_optax():
+    """The bytes the compiled optimizer step's kernels move: ours no more
+    than optax's and Keras' own for the same averages. On a CPU XLA writes
+    each output of the update in a loop of its own, which a later loop
+    reads back: per element, Adam's moments 3 floats each, the weight 4,
+    each average 3, against the 7 + 2 an average that must move (no
+    average of ours costs a pass more)."""
+    out = run_python("-m", "benchmarks.kernels", "--step", "--names",
+                     "optax_ema,keras_ema,ours:ema,ours:powerema",
+                     backend="jax", timeout=600,
+                     **dict(SMALL, KEO_BENCH_SIZE="4096")).stdout
+    records = {r["name"]: r for r in _bench_lines(out)}
+    optax, keras_ema, ours, power = (records[n] for n in (
+        "optax_ema", "keras_ema", "ours:ema", "ours:powerema"))
+    assert ours["needed_bytes"] == optax["needed_bytes"] > 0
+    assert ours["moved_bytes"] <= optax["moved_bytes"]
+    assert ours["moved_bytes"] <= keras_ema["moved_bytes"]
+    assert power["averages"] == 2
+    if ours["platform"] == "cpu":
+        for record in (ours, power):
+            k = record["averages"]
+            # 3 + 3 + 4 + 3k floats against 7 + 2k; the scalars' bytes
+            assert record["moved_per_needed"] <= (10 + 3 * k) / (7 + 2 * k) \
+                + 0.01
+    assert "| ours:ema | " in out and "roofline share at best" in out
 
 
 @pytest.mark.skipif(BACKEND != "jax", reason="XLA's dump of JAX's fit step")
