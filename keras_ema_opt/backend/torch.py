@@ -310,12 +310,13 @@ def _clip_rule(optimizer, grads):
 
 def _clip_each_norm(grads, threshold):
     """Keras' ``clipnorm``: ``g c / max(||g||, c)`` per gradient (a NaN
-    norm gives NaN)."""
-    denominators = torch._foreach_maximum(torch._foreach_norm(grads),
-                                          threshold)
-    clipped = torch._foreach_mul(grads, threshold)
-    torch._foreach_div_(clipped, denominators)
-    return clipped
+    norm gives NaN), as ``g (c / max(||g||, c))``: the scales of all the
+    gradients in one vector op, then one multiplication of each gradient
+    (Keras' rule to float32 round-off): one pass over the gradients fewer
+    than multiplying by ``c`` and dividing by the norms."""
+    norms = torch.stack(torch._foreach_norm(grads))
+    scales = threshold / torch.clamp_min(norms, threshold)
+    return list(torch._foreach_mul(grads, list(scales.unbind())))
 
 
 def _clip_global_norm(grads, threshold):
