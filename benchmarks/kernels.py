@@ -77,50 +77,114 @@ _ITEMSIZE = {"pred": 1, "s8": 1, "u8": 1, "f16": 2, "bf16": 2, "s16": 2,
              "u64": 8, "c64": 8, "c128": 16, "token": 0}
 
 
+def _itemsize(dtype):
+    if dtype in _ITEMSIZE:
+        return _ITEMSIZE[dtype]
+    if dtype.startswith("f8"):  # f8e4m3fn, f8e5m2, ...
+        return 1
+    if dtype in ("s4", "u4", "f4e2m1fn"):  # packed two a byte
+        return 0.5
+    raise ValueError(f"benchmarks.kernels: unknown HLO element type "
+                     f"{dtype!r} (known: {', '.join(_ITEMSIZE)}, f8*, s4, "
+                     "u4)")
+
+
 def _shape_bytes(text):
-    """Bytes of every array in an HLO shape (a tuple's elements summed)."""
+    """Bytes of every array in an HLO shape (a tuple's elements summed; a
+    dynamic dimension ``<=n`` at its bound)."""
     total = 0
-    for dtype, dims in re.findall(r"\b([a-z]+\d*)\[([\d,]*)\]", text):
-        if dtype not in _ITEMSIZE:
-            raise ValueError(f"benchmarks.kernels: unknown HLO element type "
-                             f"{dtype!r} (known: {', '.join(_ITEMSIZE)})")
-        total += _ITEMSIZE[dtype] * int(np.prod(
-            [int(d) for d in dims.split(",") if d]))
-    return total
+    for dtype, dims in re.findall(r"\b([a-z][a-z0-9]*)\[([^\]]*)\]", text):
+        sizes = [d.strip().removeprefix("<=") for d in dims.split(",")
+                 if d.strip()]
+        if not all(d.isdigit() for d in sizes):
+            raise ValueError(f"benchmarks.kernels: an HLO shape without "
+                             f"bounds: {dtype}[{dims}]")
+        total += _itemsize(dtype) * int(np.prod([int(d) for d in sizes]))
+    return int(total)
 
 
 _INSTRUCTION = re.compile(
     r"^\s*(?:ROOT )?%?([\w.\-]+) = (.*?)\s([a-z][\w\-]*)\((.*)$", re.M)
+_COMPUTATION = re.compile(r"^(ENTRY )?%?([\w.\-]+)\s*(\(.*)?\{\s*$")
+
+
+def _computations(hlo_text):
+    """``({name: (header, body)}, entry name)`` of an HLO module's
+    computations written over several lines (as XLA prints them)."""
+    blocks, entry, lines = {}, None, hlo_text.splitlines()
+    for i, line in enumerate(lines):
+        match = _COMPUTATION.match(line)
+        if match is None or " = " in line.split("(")[0]:
+            continue
+        body = []
+        for inner in lines[i + 1:]:
+            if inner.strip() == "}":
+                break
+            body.append(inner)
+        blocks[match.group(2)] = (match.group(3) or "", "\n".join(body))
+        if match.group(1):
+            entry = match.group(2)
+    if entry is None:
+        raise ValueError("benchmarks.kernels: no ENTRY computation in the "
+                         "HLO text (not an HLO module dump?)")
+    return blocks, entry
+
+
+def _operands(rest):
+    """The names an instruction's operand list refers to, each once (up
+    to the list's closing parenthesis: attributes and metadata after it
+    name computations, not operands)."""
+    depth, end = 1, len(rest)
+    for i, char in enumerate(rest):
+        depth += {"(": 1, ")": -1}.get(char, 0)
+        if depth == 0:
+            end = i
+            break
+    return list(dict.fromkeys(re.findall(r"%([\w.\-]+)", rest[:end])))
 
 
 def traffic(hlo_text):
     """Bytes the ENTRY computation's work reads and writes: each
     instruction that launches work (a fusion, a copy, a custom call, an
-    unfused op) reads its operands and writes its result, in full. What
-    stays in registers inside a fusion is not counted; what a fusion
-    writes and another reads back is counted twice, as the memory moves
-    it."""
-    start = hlo_text.rfind("\nENTRY")
-    if start < 0:
-        raise ValueError("benchmarks.kernels: no ENTRY computation in the "
-                         "HLO text (not an HLO module dump?)")
-    entry = hlo_text[start:]
-    header = entry[:entry.index("\n", 1)]
-    shapes = {name: _shape_bytes(shape) for name, shape in re.findall(
-        r"([\w.\-]+): ((?:\([^()]*\))|[a-z]+\d*\[[\d,]*\])", header)}
+    unfused op) reads its operands (each once) and writes its result, in
+    full. What stays in registers inside a fusion is not counted; what a
+    fusion writes and another reads back is counted twice, as the memory
+    moves it. A ``call`` (and an ``async-start``) counts the work of the
+    computation it calls (a GPU's command buffer, say); a loop or a
+    conditional counts its operands and result once, not its body's
+    work per trip."""
+    blocks, entry = _computations(hlo_text)
+    return _computation_traffic(blocks, entry, ())
+
+
+def _computation_traffic(blocks, name, calling):
+    if name in calling or name not in blocks:
+        raise ValueError(f"benchmarks.kernels: computation %{name} "
+                         + ("calls itself" if name in calling else
+                            "is called but not in the HLO text"))
+    header, body = blocks[name]
+    shapes = {param: _shape_bytes(shape) for param, shape in re.findall(
+        r"([\w.\-]+): ((?:\([^()]*\))|[a-z][a-z0-9]*\[[^\]]*\])", header)}
     moved = 0
-    for name, shape, opcode, rest in _INSTRUCTION.findall(entry):
-        shapes[name] = _shape_bytes(shape)
-        if opcode in _NO_WORK:
+    for target, shape, opcode, rest in _INSTRUCTION.findall(body):
+        shapes[target] = _shape_bytes(shape)
+        if opcode in _NO_WORK or opcode in ("async-update", "async-done"):
             continue
-        # The operands: up to the call's closing parenthesis.
-        depth, end = 1, 0
-        for end, char in enumerate(rest):
-            depth += {"(": 1, ")": -1}.get(char, 0)
-            if depth == 0:
-                break
-        operands = re.findall(r"%([\w.\-]+)", rest[:end])
-        moved += shapes[name] + sum(shapes[o] for o in operands)
+        if opcode in ("call", "async-start"):
+            callee = re.search(r"(?:to_apply|calls)=%?([\w.\-]+)", rest)
+            if callee is None:
+                raise ValueError(f"benchmarks.kernels: {opcode} %{target} "
+                                 "names no computation")
+            moved += _computation_traffic(blocks, callee.group(1),
+                                          calling + (name,))
+            continue
+        operands = _operands(rest)
+        unknown = [o for o in operands if o not in shapes]
+        if unknown:
+            raise ValueError(f"benchmarks.kernels: %{target} reads "
+                             f"{', '.join('%' + o for o in unknown)}, not "
+                             f"defined before it in %{name}")
+        moved += shapes[target] + sum(shapes[o] for o in operands)
     return moved
 
 
@@ -173,9 +237,8 @@ def run_step(names=STEP_NAMES):
     records = []
     for name in names:
         builder, kind, averages = configs[name]
-        run_step_once, _ = builder(kind)
-        run_step_once()  # the buffers as the timed steps see them
-        text = run_step_once.compiled_text()
+        step_fn, sync = builder(kind)
+        text = step_fn.compiled_text()
         needed = common.adam_bytes(n, averages)
         moved = traffic(text)
         record = dict(count(text), bench="step_kernels", backend="jax",
@@ -184,7 +247,7 @@ def run_step(names=STEP_NAMES):
                       needed_bytes=needed, moved_per_needed=moved / needed)
         common.emit(record)
         records.append(record)
-        del run_step_once
+        del step_fn, sync
         gc.collect()
     return records
 

@@ -513,14 +513,31 @@ def test_traffic_of_an_optimized_hlo_module():
     # dot 4+32, while 16+16
     assert kernels.traffic(HLO_MODULE) == 260
     # Parameters declared only as instructions, a tuple parameter's
-    # arrays summed, other element types by their size.
-    assert kernels.traffic("""HloModule m
+    # arrays summed, other element types by their size, an operand read
+    # twice counted once, layouts and metadata with parentheses and `%`
+    # (not operands), a called computation's work.
+    assert kernels.traffic("""HloModule m, entry_computation_layout={(f32[2])}
+%body (x: f32[8]) -> f32[8] {
+  %x = f32[8]{0} parameter(0)
+  ROOT %n = f32[8]{0} negate(f32[8]{0} %x), metadata={op_name="jit(f)/n"}
+}
+
 ENTRY %main {
   %p = (f32[2,3]{1,0}, bf16[4]{0}) parameter(0)
   %q = s64[5]{0} parameter(1)
-  %f = f64[3]{0} fusion(%p, %q), kind=kLoop, calls=%c
+  %d = s32[<=100]{0} parameter(2)
+  %f = f64[3]{0} fusion(%p, %q, %q), kind=kLoop, calls=%c
+  %v = f32[8]{0:T(8,128)} fusion(f32[2,3]{1,0:T(8,128)} %p), kind=kLoop, calls=%c, metadata={op_name="jit(f)/mul" source_file="a(%q).py"}
+  %z = f8e4m3fn[10]{0} fusion(s32[<=100]{0} %d), kind=kLoop, calls=%c
+  ROOT %w = f32[8]{0} call(f32[8]{0} %v), to_apply=%body
 }
-""") == (24 + 8) + 40 + 24
+""") == (24 + 32 + 40) + (32 + 32) + (10 + 400) + (32 + 32)
+    with pytest.raises(ValueError, match="reads %y, not defined"):
+        kernels.traffic("HloModule m\nENTRY %main {\n"
+                        "  %f = f32[3]{0} fusion(%y), kind=kLoop, calls=%c\n}")
+    with pytest.raises(ValueError, match="%b is called but not in"):
+        kernels.traffic("HloModule m\nENTRY %main {\n"
+                        "  %w = f32[3]{0} call(), to_apply=%b\n}")
     with pytest.raises(ValueError, match="unknown HLO element type 'q9'"):
         kernels.traffic("HloModule m\nENTRY %main {\n"
                         "  %f = q9[3]{0} fusion(), kind=kLoop, calls=%c\n}")
@@ -547,6 +564,8 @@ def test_the_compiled_jax_step_moves_no_more_than_optax():
     assert ours["moved_bytes"] <= optax["moved_bytes"]
     assert ours["moved_bytes"] <= keras_ema["moved_bytes"]
     assert power["averages"] == 2
+    for record in records.values():  # no kernel can move less
+        assert record["moved_bytes"] >= record["needed_bytes"], record
     if ours["platform"] == "cpu":
         for record in (ours, power):
             k = record["averages"]
