@@ -100,22 +100,20 @@ all)
     for backend in torch jax; do
         section "$backend-memory" --backends "$backend" --no-step --no-fit
     done
-    # Last: the kernels of JAX's compiled fit step (no timing).
-    if starts jax-kernels; then
+    kernels() {  # name, then benchmarks.kernels' arguments
+        local name=$1
+        shift
+        starts "$name" || return 0
         KERAS_BACKEND=jax timeout "$left" python3 -m benchmarks.kernels \
-            --names keras,keras_ema,ours,ours:ema,ours:swa \
-            > "$out/jax-kernels.txt" ||
-            echo "[device] jax-kernels: failed or out of time (status $?)"
-    fi
-    # And those of the optimizer step alone, with the bytes they move.
-    if starts jax-step-kernels; then
-        # SWA first: its step was 1.32 of optax on the H200.
-        KERAS_BACKEND=jax timeout "$left" python3 -m benchmarks.kernels \
-            --step --names ours:swa,ours:ema,optax_ema,ours:ema_power,ours \
-            > "$out/jax-step-kernels.txt" ||
-            echo "[device] jax-step-kernels: failed or out of time" \
-                "(status $?)"
-    fi
+            "$@" > "$out/$name.txt" ||
+            echo "[device] $name: failed or out of time (status $?)"
+    }
+    # Last: the kernels of JAX's compiled fit step (no timing), then those
+    # of the optimizer step alone with the bytes they move, SWA first (its
+    # step was 1.32 of optax on the H200).
+    kernels jax-kernels --names keras,keras_ema,ours,ours:ema,ours:swa
+    kernels jax-step-kernels --step \
+        --names ours:swa,ours:ema,optax_ema,ours:ema_power,ours
     ls -l "$out"
     ;;
 *)

@@ -37,6 +37,7 @@ import numpy as np
 
 from benchmarks import common
 from benchmarks.fit import NAMES
+from benchmarks.step import configurations
 
 ROOT = Path(__file__).resolve().parent.parent
 # A few batches compile the step (its time is not measured here).
@@ -52,13 +53,10 @@ def count(hlo_text):
     by kind, custom calls (library kernels: matrix products), copies,
     conditionals, loops, and any other instruction that does work unfused
     (``other``: a ``dot`` XLA left alone on a CPU, say)."""
-    start = hlo_text.rfind("\nENTRY")
-    if start < 0:
-        raise ValueError("benchmarks.kernels: no ENTRY computation in the "
-                         "HLO text (not an HLO module dump?)")
-    opcodes = re.findall(r"^\s*(?:ROOT )?%?[\w.\-]+ = .*?\s([a-z][\w\-]*)\(",
-                         hlo_text[start:], re.M)
-    fusions = re.findall(r" fusion\(.*?kind=(k\w+)", hlo_text[start:])
+    blocks, entry = _computations(hlo_text)
+    body = blocks[entry][1]
+    opcodes = [opcode for _, _, opcode, _ in _INSTRUCTION.findall(body)]
+    fusions = re.findall(r" fusion\(.*?kind=(k\w+)", body)
     kinds = {}
     for kind in fusions:
         kinds[kind] = kinds.get(kind, 0) + 1
@@ -220,22 +218,17 @@ def _compile_one(name):
                      platform=jax.devices()[0].platform))
 
 
-STEP_NAMES = ("keras", "keras_ema", "optax_adam", "optax_ema", "ours",
-              "ours:ema", "ours:ema_power", "ours:swa", "ours:powerema")
-
-
-def run_step(names=STEP_NAMES):
-    """The step benchmark's compiled steps, one after another in this
-    process: their kernels (``count``), bytes moved (``traffic``) and the
-    bytes the step must move."""
+def run_step(names=None):
+    """The step benchmark's compiled steps (``names``, else all of its
+    configurations), one after another in this process: their kernels
+    (``count``), bytes moved (``traffic``) and the bytes the step must
+    move."""
     import jax
 
-    from benchmarks import step
-
-    configs = step.configurations()
+    configs = configurations()
     n = common.N_TENSORS * common.SIZE
     records = []
-    for name in names:
+    for name in names or configs:
         builder, kind, averages = configs[name]
         step_fn, sync = builder(kind)
         text = step_fn.compiled_text()
@@ -316,7 +309,7 @@ def main(argv=None):
     if args.one:
         _compile_one(args.one)
         return 0
-    accepted = STEP_NAMES if args.step else NAMES
+    accepted = tuple(configurations()) if args.step else NAMES
     names = common.comma_list(parser, "--names",
                               args.names or ",".join(accepted), accepted)
     if args.step:
