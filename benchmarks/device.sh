@@ -18,9 +18,11 @@
 # of KEO_BENCH_REPEATS steps); the fit steps of PyTorch, then of JAX
 # (KEO_BENCH_ROUNDS=2 rounds, the averaged configurations beside their
 # baselines in both orders); the peak memory of PyTorch, then of JAX;
-# the kernels of JAX's compiled fit step (benchmarks.kernels, to
-# $OUT/jax-kernels.txt), then of its optimizer step alone with the bytes
-# they move (benchmarks.kernels --step, to $OUT/jax-step-kernels.txt).
+# the host's cost per state array in JAX's fit step (benchmarks.host,
+# to $OUT/jax-host.txt); the kernels of JAX's compiled fit step
+# (benchmarks.kernels, to $OUT/jax-kernels.txt), then of its optimizer
+# step alone with the bytes they move (benchmarks.kernels --step, to
+# $OUT/jax-step-kernels.txt).
 # Each section is a `python -m benchmarks` of its own whose results file
 # is copied to $OUT as soon as it is written
 # (<backend>-<section>-gpu-results.json). A section starts only with
@@ -108,6 +110,13 @@ all)
             "$@" > "$out/$name.txt" ||
             echo "[device] $name: failed or out of time (status $?)"
     }
+    # What the host pays per state array in JAX's fit step (seconds; no
+    # kernel at its size).
+    if starts jax-host; then
+        KERAS_BACKEND=jax KEO_BENCH_REPEATS=300 timeout "$left" \
+            python3 -m benchmarks.host > "$out/jax-host.txt" ||
+            echo "[device] jax-host: failed or out of time (status $?)"
+    fi
     # Last: the kernels of JAX's compiled fit step (no timing), then those
     # of the optimizer step alone with the bytes they move, SWA first (its
     # step was 1.32 of optax on the H200).
