@@ -11,6 +11,9 @@
 #   bash benchmarks/device.sh all [SECONDS]  # there: both backends in one
 #                                            # call, section by section
 #
+#   bash benchmarks/device.sh followup [SECONDS]  # there: what the first
+#                                            # run left open (below)
+#
 # `all` is for a lease too short for two full runs (15 minutes of device
 # time, the machine's start included). It runs, in this order, what is
 # lost first at the deadline last: the optimizer steps of JAX, then of
@@ -30,6 +33,15 @@
 # killed at that deadline: what finished comes back. Merge them here with
 # --from-json.
 #
+# `followup` asks what the first GPU run left open, under the same
+# deadline, each section's BENCH lines to $OUT/<section>.txt: JAX's step
+# of optax + EMA, ours:ema and ours:swa (three rounds of a process each,
+# in turn), their compiled steps' kernels and bytes, the host's cost per
+# state array, JAX's fit over four rounds (ours, ours:ema, ours:swa,
+# ours:ema_power), PyTorch's over four (ours, ours:ema_power, ours:ema).
+# KEO_DEVICE_INSTALL=0 skips installing the carried wheels (a trial of the
+# script here, with small KEO_BENCH_* sizes).
+#
 # The machine holds PyTorch, JAX, optax and matplotlib for Python 3.12, but
 # no Keras, no torch-ema and no TensorFlow (whose GPU wheel is larger than
 # what travels there): the GPU run covers JAX and PyTorch.
@@ -38,11 +50,61 @@ cd "$(dirname "$0")/.."
 WHEELS=.whl
 
 setup() {  # there: the carried wheels, and what every run needs
-    python3 -m pip install -q --no-index --no-deps --no-compile \
-        --no-cache-dir --upgrade --target /tmp/site "$WHEELS"/*.whl
+    if [[ ${KEO_DEVICE_INSTALL:-1} != 0 ]]; then
+        python3 -m pip install -q --no-index --no-deps --no-compile \
+            --no-cache-dir --upgrade --target /tmp/site "$WHEELS"/*.whl
+    fi
     export PYTHONPATH="/tmp/site:$PWD" PYTHONUNBUFFERED=1
     export XLA_PYTHON_CLIENT_PREALLOCATE=false
     nvidia-smi -L || echo "no nvidia-smi: this run is not on a GPU"
+}
+
+# The sections of `all` and `followup`: each starts only with MIN_SECTION
+# seconds left before $deadline and is killed at it; results go to $out.
+starts() {  # name: whether a section may start; sets $left
+    left=$(( deadline - $(date +%s) ))
+    if (( left < ${MIN_SECTION:-90} )); then
+        echo "[device] $1: not started, ${left} s left"
+        return 1
+    fi
+    echo "[device] $1: started, ${left} s left"
+}
+section() {  # name, then the driver's arguments
+    local name=$1
+    shift
+    starts "$name" || return 0
+    rm -rf "/tmp/bench-$name"
+    if timeout "$left" python3 -m benchmarks --out "/tmp/bench-$name" \
+            "$@"; then
+        for f in "/tmp/bench-$name"/*-results.json; do
+            cp "$f" "$out/$name-$(basename "$f")"
+        done
+    else
+        echo "[device] $name: failed or out of time (status $?)"
+    fi
+}
+kernels() {  # name, then benchmarks.kernels' arguments
+    local name=$1
+    shift
+    starts "$name" || return 0
+    KERAS_BACKEND=jax timeout "$left" python3 -m benchmarks.kernels \
+        "$@" > "$out/$name.txt" ||
+        echo "[device] $name: failed or out of time (status $?)"
+}
+host() {  # the host's cost per state array in JAX's fit step
+    starts jax-host || return 0
+    KERAS_BACKEND=jax KEO_BENCH_REPEATS=300 timeout "$left" \
+        python3 -m benchmarks.host > "$out/jax-host.txt" ||
+        echo "[device] jax-host: failed or out of time (status $?)"
+}
+lines() {  # name, backend, then a benchmark module and its arguments:
+    # its BENCH lines appended to $out/<name>.txt
+    local name=$1 backend=$2
+    shift 2
+    starts "$name" || return 0
+    KERAS_BACKEND=$backend timeout "$left" python3 -m "$@" \
+        >> "$out/$name.txt" ||
+        echo "[device] $name: failed or out of time (status $?)"
 }
 
 case "${1:-}" in
@@ -69,28 +131,6 @@ all)
     setup
     out=${OUT:-benchmarks/results/device}
     mkdir -p "$out"
-    starts() {  # name: whether a section may start; sets $left
-        left=$(( deadline - $(date +%s) ))
-        if (( left < ${MIN_SECTION:-90} )); then
-            echo "[device] $1: not started, ${left} s left"
-            return 1
-        fi
-        echo "[device] $1: started, ${left} s left"
-    }
-    section() {  # name, then the driver's arguments
-        local name=$1
-        shift
-        starts "$name" || return 0
-        rm -rf "/tmp/bench-$name"
-        if timeout "$left" python3 -m benchmarks --out "/tmp/bench-$name" \
-                "$@"; then
-            for f in "/tmp/bench-$name"/*-results.json; do
-                cp "$f" "$out/$name-$(basename "$f")"
-            done
-        else
-            echo "[device] $name: failed or out of time (status $?)"
-        fi
-    }
     for backend in jax torch; do
         section "$backend-step" --backends "$backend" --no-fit \
             --no-memory --step-rounds 1
@@ -102,21 +142,9 @@ all)
     for backend in torch jax; do
         section "$backend-memory" --backends "$backend" --no-step --no-fit
     done
-    kernels() {  # name, then benchmarks.kernels' arguments
-        local name=$1
-        shift
-        starts "$name" || return 0
-        KERAS_BACKEND=jax timeout "$left" python3 -m benchmarks.kernels \
-            "$@" > "$out/$name.txt" ||
-            echo "[device] $name: failed or out of time (status $?)"
-    }
-    # What the host pays per state array in JAX's fit step (seconds; no
-    # kernel at its size).
-    if starts jax-host; then
-        KERAS_BACKEND=jax KEO_BENCH_REPEATS=300 timeout "$left" \
-            python3 -m benchmarks.host > "$out/jax-host.txt" ||
-            echo "[device] jax-host: failed or out of time (status $?)"
-    fi
+    # What the host pays per state array in JAX's fit step (no kernel
+    # at its size).
+    host
     # Last: the kernels of JAX's compiled fit step (no timing), then those
     # of the optimizer step alone with the bytes they move, SWA first (its
     # step was 1.32 of optax on the H200).
@@ -125,9 +153,32 @@ all)
         --names ours:swa,ours:ema,optax_ema,ours:ema_power,ours
     ls -l "$out"
     ;;
+followup)
+    # The questions the first GPU run left open, in order: why JAX's SWA
+    # step took 1.32 of optax (three rounds of a process each for SWA, the
+    # EMA and optax, in turn, then the kernels and bytes of their compiled
+    # steps); what the host pays per state array; JAX's fit overhead over
+    # four rounds (two did not resolve 10%), then PyTorch's power warm-up.
+    deadline=$(( $(date +%s) + ${2:-540} ))
+    setup
+    out=${OUT:-benchmarks/results/device}
+    mkdir -p "$out"
+    for round in 1 2 3; do
+        for name in optax_ema ours:ema ours:swa; do
+            lines jax-swa-step jax benchmarks.step --names "$name"
+        done
+    done
+    kernels jax-swa-step-kernels --step --names ours:swa,ours:ema,optax_ema
+    host
+    KEO_BENCH_ROUNDS=4 lines jax-fit-4-rounds jax benchmarks.fit \
+        --names ours,ours:ema,ours:swa,ours:ema_power
+    KEO_BENCH_ROUNDS=4 lines torch-fit-4-rounds torch benchmarks.fit \
+        --names ours,ours:ema_power,ours:ema
+    ls -l "$out"
+    ;;
 *)
     echo "usage: bash benchmarks/device.sh fetch | run jax|torch |" \
-        "all [SECONDS]" >&2
+        "all [SECONDS] | followup [SECONDS]" >&2
     exit 2
     ;;
 esac
