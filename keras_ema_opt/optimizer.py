@@ -1023,6 +1023,8 @@ class Optimizer(backend.OptimizerHooks, keras.optimizers.Optimizer):
         # weights, normalization statistics) start the same everywhere
         # too, as DDP broadcasts a module's parameters and buffers.
         model = self._model_building()
+        if model is not None:
+            backend.prepare_model(model)
         frozen = [v for v in (model.non_trainable_variables if model else ())
                   if keras.backend.is_float_dtype(v.dtype)]
         backend.sync_initial_state(self, list(variables) + frozen)

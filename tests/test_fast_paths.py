@@ -322,6 +322,74 @@ def test_torch_compiled_fit_steps_through_keras_own_update():
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
 
 
+def _fit_with_state_reads(prepare, monkeypatch, averaging):
+    """A JAX fit of a small model whose callback reads the weights through
+    Keras' state sync at each batch; returns (weights read mid-fit, final
+    weights and averages, tracker calls a step after the first two)."""
+    from keras.src.utils import tracking
+
+    from keras_ema_opt import backend
+
+    if not prepare:
+        monkeypatch.setattr(backend, "prepare_model", lambda model: None)
+    calls = {"on": False, "count": 0}
+    real_track = tracking.Tracker.track
+
+    def track(self, attr):
+        calls["count"] += calls["on"]
+        return real_track(self, attr)
+    monkeypatch.setattr(tracking.Tracker, "track", track)
+
+    class Reads(keras.callbacks.Callback):
+        def __init__(self):
+            super().__init__()
+            self.reads = []
+
+        def on_train_batch_begin(self, batch, logs=None):
+            calls["on"] = batch >= 2
+
+        def on_train_batch_end(self, batch, logs=None):
+            calls["on"] = False
+            if batch % 2:  # `self.model` syncs the state into the variables
+                self.reads.append([to_numpy(w) for w in self.model.weights])
+
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(48, 3)).astype("float32")
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(4),
+                              keras.layers.Dense(3)])
+    model.compile(optimizer=keras_ema_opt.Adam(0.05, averaging=averaging),
+                  loss="mse")
+    reads = Reads()
+    model.fit(x, x, batch_size=8, epochs=1, verbose=0, shuffle=False,
+              callbacks=[reads])
+    final = [to_numpy(v) for v in model.weights + model.optimizer.variables]
+    return reads.reads, final, calls["count"] / 4, model
+
+
+@only_on("jax")
+@pytest.mark.parametrize("averaging", [None, keras_ema_opt.EMA(0.5)])
+def test_jax_fit_state_is_stored_untracked_and_reads_the_same(
+        averaging, monkeypatch):
+    """Keras' JAX fit() stores each step's new state on the model, and its
+    attribute tracking walked it array by array; stored untracked, a step
+    makes a couple of tracker calls, and what callbacks read through the
+    state sync, and the end state, are the same to the bit."""
+    reads, final, per_step, model = _fit_with_state_reads(
+        True, monkeypatch, averaging)
+    old_reads, old_final, old_per_step, _ = _fit_with_state_reads(
+        False, monkeypatch, averaging)
+    arrays = len(model.weights) + len(model.optimizer.variables)
+    assert old_per_step >= arrays  # Keras' own walk: each array at least
+    assert per_step <= 3
+    assert model._jax_state is None  # reset by Keras at the end, as before
+    assert len(reads) == len(old_reads) == 3
+    for got, want in zip(reads + [final], old_reads + [old_final]):
+        assert len(got) == len(want)
+        for a, b in zip(got, want):
+            np.testing.assert_array_equal(a, b)
+
+
 @only_on("tensorflow")
 @pytest.mark.parametrize("averaging", [
     keras_ema_opt.EMA(0.9), keras_ema_opt.SWA(), keras_ema_opt.PowerEMA(),

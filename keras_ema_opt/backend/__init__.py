@@ -50,6 +50,9 @@ here. Each backend module provides the same set:
 - ``attach_model(optimizer, model)``: let ``fit()`` on ``model`` feed the
   model's new non-trainable values to the averaging (JAX wraps the model's
   ``train_step``; a no-op elsewhere).
+- ``prepare_model(model)``: adjust the model an optimizer is built for
+  (JAX: ``fit()`` stores its per-step state on the model outside Keras'
+  attribute tracking; a no-op elsewhere).
 """
 
 import keras
@@ -84,6 +87,7 @@ sync_training_state = _impl.sync_training_state
 value_visible = _impl.value_visible
 current_value = _impl.current_value
 attach_model = _impl.attach_model
+prepare_model = _impl.prepare_model
 step_gradients = _impl.step_gradients
 sync_initial_state = _impl.sync_initial_state
 is_chief = _impl.is_chief
@@ -107,6 +111,7 @@ __all__ = [
     "value_visible",
     "current_value",
     "attach_model",
+    "prepare_model",
     "step_gradients",
     "sync_initial_state",
     "is_chief",

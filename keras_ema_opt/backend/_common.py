@@ -75,6 +75,11 @@ def sync_training_state(model):
     del model
 
 
+def prepare_model(model):
+    """Nothing to adjust on the model an optimizer is built for."""
+    del model
+
+
 def step_gradients(optimizer, grads):
     """Gradients as the step receives them (no replicas to reduce over, or
     the backend reduces them itself)."""

@@ -12,6 +12,7 @@ from keras_ema_opt.backend import _common
 keras_optimizer_class = _common.keras_optimizer_class
 value_visible = _common.value_visible
 attach_model = _common.attach_model
+prepare_model = _common.prepare_model
 sync_training_state = _common.sync_training_state
 # Keras' TensorFlow step all-reduces inside `_backend_update_step`, and
 # tf.distribute creates mirrored variables with the same initial values.

@@ -14,6 +14,7 @@ assign_copy = _common.assign_copy
 value_visible = _common.value_visible
 current_value = _common.current_value
 attach_model = _common.attach_model
+prepare_model = _common.prepare_model
 prepare_gradients = _common.prepare_gradients
 sync_training_state = _common.sync_training_state
 
