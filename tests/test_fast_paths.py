@@ -362,26 +362,39 @@ def _fit_with_state_reads(prepare, monkeypatch, averaging):
                   loss="mse")
     reads = Reads()
     model.fit(x, x, batch_size=8, epochs=1, verbose=0, shuffle=False,
-              callbacks=[reads])
+              callbacks=[reads], validation_data=(x[:16], x[:16]))
     final = [to_numpy(v) for v in model.weights + model.optimizer.variables]
-    return reads.reads, final, calls["count"] / 4, model
+    per_step = calls["count"] / 4
+    # evaluate() and predict() store their state the same way.
+    calls["on"], calls["count"] = True, 0
+    final.append(np.asarray(model.evaluate(x, x, batch_size=8, verbose=0)))
+    final.append(model.predict(x, batch_size=8, verbose=0))
+    calls["on"] = False
+    return reads.reads, final, (per_step, calls["count"] / 12), model
 
 
 @only_on("jax")
+@pytest.mark.skipif(keras.config.is_nnx_enabled(),
+                    reason="Flax NNX models keep Keras' own state storage")
 @pytest.mark.parametrize("averaging", [None, keras_ema_opt.EMA(0.5)])
 def test_jax_fit_state_is_stored_untracked_and_reads_the_same(
         averaging, monkeypatch):
-    """Keras' JAX fit() stores each step's new state on the model, and its
-    attribute tracking walked it array by array; stored untracked, a step
-    makes a couple of tracker calls, and what callbacks read through the
-    state sync, and the end state, are the same to the bit."""
-    reads, final, per_step, model = _fit_with_state_reads(
+    """Keras' JAX fit() (evaluate(), predict()) stores each step's new
+    state on the model, and its attribute tracking walked it array by
+    array; stored untracked, a step makes a couple of tracker calls, and
+    what callbacks read through the state sync, the end state, and what
+    evaluate() and predict() give are the same to the bit."""
+    reads, final, (per_step, per_batch), model = _fit_with_state_reads(
         True, monkeypatch, averaging)
-    old_reads, old_final, old_per_step, _ = _fit_with_state_reads(
-        False, monkeypatch, averaging)
+    old_reads, old_final, (old_per_step, old_per_batch), _ = (
+        _fit_with_state_reads(False, monkeypatch, averaging))
     arrays = len(model.weights) + len(model.optimizer.variables)
     assert old_per_step >= arrays  # Keras' own walk: each array at least
     assert per_step <= 3
+    # evaluate() and predict(): 6 + 6 batches; Keras' walk there covers the
+    # model's variables and the metrics'.
+    assert old_per_batch >= len(model.weights)
+    assert per_batch <= 3
     assert model._jax_state is None  # reset by Keras at the end, as before
     assert len(reads) == len(old_reads) == 3
     for got, want in zip(reads + [final], old_reads + [old_final]):
