@@ -1023,8 +1023,9 @@ class Optimizer(backend.OptimizerHooks, keras.optimizers.Optimizer):
         # weights, normalization statistics) start the same everywhere
         # too, as DDP broadcasts a module's parameters and buffers.
         model = self._model_building()
-        if model is not None:
-            backend.prepare_model(model)
+        fitting = self._model_on_stack()
+        if fitting is not None:
+            backend.prepare_model(fitting)
         frozen = [v for v in (model.non_trainable_variables if model else ())
                   if keras.backend.is_float_dtype(v.dtype)]
         backend.sync_initial_state(self, list(variables) + frozen)
@@ -1117,6 +1118,11 @@ class Optimizer(backend.OptimizerHooks, keras.optimizers.Optimizer):
         ref = self.__dict__.get("_tracked_model")
         if ref is not None and ref() is not None:
             return ref()
+        return self._model_on_stack()
+
+    def _model_on_stack(self):
+        """The model on the call stack whose optimizer this is (building
+        it in ``fit``, ``compile_from_config``), or None."""
         frame = sys._getframe(1)
         while frame is not None:
             candidate = frame.f_locals.get("self")

@@ -403,6 +403,30 @@ def test_jax_fit_state_is_stored_untracked_and_reads_the_same(
             np.testing.assert_array_equal(a, b)
 
 
+@only_on("jax")
+@pytest.mark.skipif(keras.config.is_nnx_enabled(),
+                    reason="Flax NNX models keep Keras' own state storage")
+def test_jax_fit_state_is_untracked_on_the_model_being_fit():
+    """Where ``track_non_trainable`` names a submodel, the model being fit
+    (which receives the state) is the one prepared; an optimizer built on
+    its own prepares none."""
+    inner = keras.Sequential([keras.Input((3,)), keras.layers.Dense(3),
+                              keras.layers.BatchNormalization()])
+    outer = keras.Sequential([keras.Input((3,)), inner,
+                              keras.layers.Dense(2)])
+    optimizer = keras_ema_opt.Adam(
+        0.05, averaging=keras_ema_opt.EMA(0.5, include_non_trainable=True))
+    optimizer.track_non_trainable(inner)
+    outer.compile(optimizer=optimizer, loss="mse")
+    x = np.ones((8, 3), "float32")
+    outer.fit(x, np.ones((8, 2), "float32"), epochs=1, verbose=0)
+    assert "_setattr_hook" in vars(outer)
+    assert "_setattr_hook" not in vars(inner)
+    alone = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
+    keras_ema_opt.Adam(0.05).build(alone.trainable_variables)
+    assert "_setattr_hook" not in vars(alone)
+
+
 @only_on("tensorflow")
 @pytest.mark.parametrize("averaging", [
     keras_ema_opt.EMA(0.9), keras_ema_opt.SWA(), keras_ema_opt.PowerEMA(),
