@@ -83,22 +83,8 @@ section() {  # name, then the driver's arguments
         echo "[device] $name: failed or out of time (status $?)"
     fi
 }
-kernels() {  # name, then benchmarks.kernels' arguments
-    local name=$1
-    shift
-    starts "$name" || return 0
-    KERAS_BACKEND=jax timeout "$left" python3 -m benchmarks.kernels \
-        "$@" > "$out/$name.txt" ||
-        echo "[device] $name: failed or out of time (status $?)"
-}
-host() {  # the host's cost per state array in JAX's fit step
-    starts jax-host || return 0
-    KERAS_BACKEND=jax KEO_BENCH_REPEATS=300 timeout "$left" \
-        python3 -m benchmarks.host > "$out/jax-host.txt" ||
-        echo "[device] jax-host: failed or out of time (status $?)"
-}
 lines() {  # name, backend, then a benchmark module and its arguments:
-    # its BENCH lines appended to $out/<name>.txt
+    # its output appended to $out/<name>.txt
     local name=$1 backend=$2
     shift 2
     starts "$name" || return 0
@@ -144,12 +130,13 @@ all)
     done
     # What the host pays per state array in JAX's fit step (no kernel
     # at its size).
-    host
+    KEO_BENCH_REPEATS=300 lines jax-host jax benchmarks.host
     # Last: the kernels of JAX's compiled fit step (no timing), then those
     # of the optimizer step alone with the bytes they move, SWA first (its
     # step was 1.32 of optax on the H200).
-    kernels jax-kernels --names keras,keras_ema,ours,ours:ema,ours:swa
-    kernels jax-step-kernels --step \
+    lines jax-kernels jax benchmarks.kernels \
+        --names keras,keras_ema,ours,ours:ema,ours:swa
+    lines jax-step-kernels jax benchmarks.kernels --step \
         --names ours:swa,ours:ema,optax_ema,ours:ema_power,ours
     ls -l "$out"
     ;;
@@ -168,8 +155,9 @@ followup)
             lines jax-swa-step jax benchmarks.step --names "$name"
         done
     done
-    kernels jax-swa-step-kernels --step --names ours:swa,ours:ema,optax_ema
-    host
+    lines jax-swa-step-kernels jax benchmarks.kernels --step \
+        --names ours:swa,ours:ema,optax_ema
+    KEO_BENCH_REPEATS=300 lines jax-host jax benchmarks.host
     KEO_BENCH_ROUNDS=4 lines jax-fit-4-rounds jax benchmarks.fit \
         --names ours,ours:ema,ours:swa,ours:ema_power
     KEO_BENCH_ROUNDS=4 lines torch-fit-4-rounds torch benchmarks.fit \

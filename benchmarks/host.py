@@ -28,24 +28,11 @@ benchmarks.fit``).
 
 import argparse
 import os
-import statistics
 import sys
-import time
 
 from benchmarks import common
 
 BACKEND = os.environ.get("KERAS_BACKEND", "jax")
-
-
-def _median(fn, repeats):
-    for _ in range(common.WARMUP):
-        fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 def jit_seconds(n, repeats=common.REPEATS):
@@ -61,13 +48,15 @@ def jit_seconds(n, repeats=common.REPEATS):
         nonlocal state
         state = step(state)
 
-    def round_trip():
-        dispatch()
+    def wait():
         jax.block_until_ready(state)
 
-    dispatched = _median(dispatch, repeats)
-    jax.block_until_ready(state)
-    return dispatched, _median(round_trip, repeats)
+    return (common.median_time(dispatch, _nothing, repeats=repeats),
+            common.median_time(dispatch, wait, repeats=repeats))
+
+
+def _nothing():
+    pass
 
 
 def tracking_seconds(n, repeats=common.REPEATS):
@@ -89,7 +78,7 @@ def tracking_seconds(n, repeats=common.REPEATS):
             "metrics_variables": [],
         }
 
-    seconds = _median(assign, repeats)
+    seconds = common.median_time(assign, _nothing, repeats=repeats)
     model._jax_state = None
     return seconds
 

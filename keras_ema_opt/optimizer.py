@@ -1022,10 +1022,12 @@ class Optimizer(backend.OptimizerHooks, keras.optimizers.Optimizer):
         # The model's own non-trainable float variables (a frozen layer's
         # weights, normalization statistics) start the same everywhere
         # too, as DDP broadcasts a module's parameters and buffers.
-        model = self._model_building()
         fitting = self._model_on_stack()
         if fitting is not None:
             backend.prepare_model(fitting)
+        model = self._model_tracked()
+        if model is None:
+            model = fitting
         frozen = [v for v in (model.non_trainable_variables if model else ())
                   if keras.backend.is_float_dtype(v.dtype)]
         backend.sync_initial_state(self, list(variables) + frozen)
@@ -1115,10 +1117,13 @@ class Optimizer(backend.OptimizerHooks, keras.optimizers.Optimizer):
         """The model of ``track_non_trainable``, or the model building this
         optimizer, found on the call stack by identity of its optimizer;
         None for an optimizer built on its own."""
+        model = self._model_tracked()
+        return model if model is not None else self._model_on_stack()
+
+    def _model_tracked(self):
+        """The model of ``track_non_trainable`` while it lives, or None."""
         ref = self.__dict__.get("_tracked_model")
-        if ref is not None and ref() is not None:
-            return ref()
-        return self._model_on_stack()
+        return None if ref is None else ref()
 
     def _model_on_stack(self):
         """The model on the call stack whose optimizer this is (building
