@@ -3,7 +3,7 @@ in an Adam + EMA step, for each of Keras' rules (``clipnorm``,
 ``global_clipnorm``, ``clipvalue``), on the step benchmark's problem (200
 float32 tensors of 50,000 elements).
 
-    KERAS_BACKEND=torch python -m benchmarks.clipping [--rules ...]
+    KERAS_BACKEND=torch python -m benchmarks.clipping [--rules ...] [--fit]
 
 On PyTorch ours clips with torch's multi-tensor kernels (one
 ``_foreach_norm`` and one ``_foreach_mul`` for all the gradients) where
@@ -12,6 +12,16 @@ Keras' rule (ours inside the compiled step). Each measurement is the
 median of ``KEO_BENCH_REPEATS`` calls after warm-up, Keras' and ours
 taking turns call by call in one process (``interleaved``); the printed
 ratios are Keras / ours.
+
+With ``--fit``, each rule is timed in ``model.fit`` instead: the fit
+benchmark's 60-layer ``Dense(256)`` MLP, batch 32, Keras' optimizer and
+ours, each with the rule and without it, taking turns over
+``KEO_BENCH_ROUNDS`` rounds (a fresh model each). Each run gives the
+median gap between batches after the first ``WARMUP`` and the mean of
+the process's minor page faults a batch (``getrusage``) after them: on PyTorch
+``fit()`` hands the optimizer the variables' own ``.grad`` tensors, which
+ours clips in place, where new clipped tensors would be faulted in again
+at each step under glibc's default malloc.
 """
 
 import argparse
@@ -51,7 +61,7 @@ def optimizer(kind, rule):
 
     import keras_ema_opt
 
-    clip = {rule: RULES[rule]}
+    clip = {} if rule is None else {rule: RULES[rule]}
     if kind == "keras":
         return keras.optimizers.Adam(LR, use_ema=True,
                                      ema_momentum=MOMENTUM, **clip)
@@ -119,6 +129,107 @@ def measure(rule):
     return out
 
 
+FIT_KINDS = ("keras", "keras, no clipping", "ours", "ours, no clipping")
+
+
+def _fit_clock():
+    """A callback noting the time and the process's minor page faults at
+    the end of each batch."""
+    import resource
+    import time
+
+    import keras
+
+    from benchmarks import fit
+
+    class Clock(keras.callbacks.Callback):
+        def __init__(self):
+            super().__init__()
+            self.marks = []
+
+        def on_train_batch_end(self, batch, logs=None):
+            self.marks.append((time.perf_counter(), resource.getrusage(
+                resource.RUSAGE_SELF).ru_minflt))
+
+        def medians(self):
+            import statistics
+
+            import numpy as np
+
+            marks = np.array(self.marks[fit.WARMUP:], dtype=np.float64)
+            gaps = np.diff(marks, axis=0)
+            # Faults come in bursts (when malloc hands memory back and
+            # takes it again): their mean, not their median.
+            return statistics.median(gaps[:, 0]), float(gaps[:, 1].mean())
+
+    return Clock()
+
+
+def measure_fit(rule, rounds=None):
+    """{kind: (median step seconds, minor faults a step)}: the medians over
+    the rounds of each run's median step and mean faults, ``kind`` from
+    ``FIT_KINDS``."""
+    import gc
+    import statistics
+
+    import numpy as np
+
+    from benchmarks import fit
+
+    rounds = fit.ROUNDS if rounds is None else rounds
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((fit.BATCH * fit.STEPS, fit.WIDTH),
+                            dtype=np.float32)
+    y = rng.standard_normal((fit.BATCH * fit.STEPS, fit.WIDTH),
+                            dtype=np.float32)
+    runs = {kind: [] for kind in FIT_KINDS}
+    for r in range(rounds):
+        for kind in FIT_KINDS if r % 2 == 0 else FIT_KINDS[::-1]:
+            model = fit.model()
+            model.compile(optimizer=optimizer(
+                kind.split(",")[0], None if "no clipping" in kind else rule),
+                loss="mse")
+            clock = _fit_clock()
+            model.fit(x, y, batch_size=fit.BATCH, epochs=1, shuffle=False,
+                      verbose=0, callbacks=[clock])
+            runs[kind].append(clock.medians())
+            del model
+            gc.collect()
+    return {kind: (statistics.median(s for s, _ in r),
+                   statistics.median(f for _, f in r))
+            for kind, r in runs.items()}
+
+
+def run_fit(rules=tuple(RULES), rounds=None):
+    records = []
+    for rule in rules:
+        m = measure_fit(rule, rounds)
+        records.append({
+            "bench": "clipping_fit", "backend": BACKEND, "name": rule,
+            "keras_seconds": m["keras"][0], "seconds": m["ours"][0],
+            "keras_unclipped_seconds": m["keras, no clipping"][0],
+            "unclipped_seconds": m["ours, no clipping"][0],
+            "keras_faults": m["keras"][1], "faults": m["ours"][1],
+            "unclipped_faults": m["ours, no clipping"][1],
+            "speedup": m["keras"][0] / m["ours"][0]})
+        common.emit(records[-1])
+    return records
+
+
+def fit_table(records):
+    return common.markdown_table(
+        [f"{BACKEND} fit step", "Keras (ms)", "Keras, no clipping (ms)",
+         "Keras faults a step", "ours (ms)", "ours, no clipping (ms)",
+         "ours faults a step", "ours, no clipping, faults a step",
+         "Keras / ours"],
+        [[r["name"], f"{r['keras_seconds'] * 1e3:.2f}",
+          f"{r['keras_unclipped_seconds'] * 1e3:.2f}",
+          f"{r['keras_faults']:.0f}", f"{r['seconds'] * 1e3:.2f}",
+          f"{r['unclipped_seconds'] * 1e3:.2f}", f"{r['faults']:.0f}",
+          f"{r['unclipped_faults']:.0f}", f"{r['speedup']:.2f}"]
+         for r in records])
+
+
 def run(rules=tuple(RULES)):
     records = []
     for rule in rules:
@@ -146,9 +257,14 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rules", default=",".join(RULES),
                         help="comma-separated: " + ", ".join(RULES))
+    parser.add_argument("--fit", action="store_true",
+                        help="time each rule in model.fit (see above)")
     args = parser.parse_args(argv)
-    print(table(run(common.comma_list(parser, "--rules", args.rules,
-                                      RULES))))
+    rules = common.comma_list(parser, "--rules", args.rules, RULES)
+    if args.fit:
+        print(fit_table(run_fit(rules)))
+    else:
+        print(table(run(rules)))
     return 0
 
 

@@ -330,6 +330,10 @@ class Optimizer(backend.OptimizerHooks, keras.optimizers.Optimizer):
             this global norm. Not together with ``clipnorm``. When several
             clipping arguments are set, the first of ``clipnorm``,
             ``global_clipnorm``, ``clipvalue`` applies, as in Keras 2.
+            On PyTorch, gradients that are the variables' own ``.grad``
+            tensors (those ``fit()`` passes) are clipped in place, as
+            ``torch.nn.utils.clip_grad_norm_`` does; gradients held
+            otherwise are left unchanged, as Keras leaves them.
         use_ema: Bool. Keep an exponential moving average of the weights.
         ema_momentum: Float in ``[0, 1]``, the EMA momentum.
         ema_overwrite_frequency: Int ``>= 1`` or ``None``: every so many

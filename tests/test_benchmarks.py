@@ -467,6 +467,26 @@ def test_clipping_benchmark_runs_on_torch():
 
 
 
+
+@pytest.mark.skipif(BACKEND != "torch", reason="in-place clipping of the "
+                    "variables' .grad is PyTorch's")
+def test_clipping_benchmark_times_fit_on_torch():
+    """``--fit``: Keras' and our optimizer, with the rule and without it,
+    in ``model.fit``; step times and page faults a step."""
+    out = run_python("-m", "benchmarks.clipping", "--fit", "--rules",
+                     "global_clipnorm", backend=BACKEND, timeout=300,
+                     **SMALL).stdout
+    (record,) = _bench_lines(out)
+    assert (record["bench"], record["name"]) == ("clipping_fit",
+                                                 "global_clipnorm")
+    for key in ("seconds", "keras_seconds", "unclipped_seconds",
+                "keras_unclipped_seconds"):
+        assert record[key] > 0, key
+    for key in ("faults", "keras_faults", "unclipped_faults"):
+        assert record[key] >= 0, key
+    assert record["speedup"] == record["keras_seconds"] / record["seconds"]
+    assert "| global_clipnorm | " in out and "ours faults a step" in out
+
 def test_clipping_benchmark_refuses_an_unknown_rule(capsys):
     from benchmarks import clipping
 

@@ -739,6 +739,99 @@ def test_clipped_steps_equal_keras(clip):
                                rtol=1e-5, atol=1e-7)
 
 
+_CLIPS = [dict(clipnorm=0.5), dict(global_clipnorm=2.0),
+          dict(clipvalue=0.01)]
+
+
+@only_on("torch")
+@pytest.mark.parametrize("clip", _CLIPS)
+@pytest.mark.parametrize("own", [True, False])
+def test_torch_clips_the_variables_own_grads_in_place(clip, own):
+    """Gradients that are the variables' own ``.grad`` (as ``fit()`` passes
+    them) are clipped in place, as ``torch.nn.utils.clip_grad_norm_``
+    does: the same tensors afterwards hold Keras' clipped gradients, and
+    the step equals Keras'. Gradients the caller holds otherwise are left
+    as they were."""
+    import torch
+
+    rng = np.random.default_rng(5)
+    values = [rng.normal(size=s).astype("float32") for s in
+              [(20, 10), (10,), (7, 3)]]
+    raw = [(rng.normal(size=v.shape) * 3).astype("float32") for v in values]
+    ours_vars = [keras.Variable(v) for v in values]
+    keras_vars = [keras.Variable(v) for v in values]
+    grads = []
+    for var, g in zip(ours_vars, raw):
+        t = torch.tensor(g)
+        if own:
+            var.value.grad = t
+        grads.append(t)
+    pointers = [g.data_ptr() for g in grads]
+    opt = keras_ema_opt.SGD(0.1, use_ema=True, **clip)
+    with torch.no_grad():
+        opt.apply(grads, ours_vars)
+    reference = keras.optimizers.SGD(0.1, use_ema=True, **clip)
+    expected = reference._clip_gradients(
+        [keras.ops.convert_to_tensor(g) for g in raw])
+    reference.apply([keras.ops.convert_to_tensor(g) for g in raw],
+                    keras_vars)
+    assert [g.data_ptr() for g in grads] == pointers
+    for g, before, clipped in zip(grads, raw, expected):
+        np.testing.assert_allclose(
+            to_numpy(g), to_numpy(clipped) if own else before, rtol=2e-6,
+            atol=1e-9)
+    for a, b in zip(ours_vars, keras_vars):
+        np.testing.assert_allclose(to_numpy(a), to_numpy(b), rtol=1e-6,
+                                   atol=1e-8)
+
+
+@only_on("torch")
+def test_torch_leaves_differentiable_own_grads_unclipped():
+    """A ``.grad`` that is itself differentiated (``backward(create_graph=
+    True)``) is not written in place: the clipped values are new
+    tensors."""
+    import torch
+
+    var = keras.Variable(np.ones((4,), "float32"))
+    grad = torch.full((4,), 10.0, requires_grad=True) * 1.0
+    var.value.grad = grad
+    before = grad.detach().clone()
+    with torch.no_grad():
+        keras_ema_opt.SGD(0.1, clipvalue=0.5).apply([grad], [var])
+    np.testing.assert_array_equal(grad.detach().numpy(), before.numpy())
+    np.testing.assert_allclose(to_numpy(var), np.full((4,), 0.95), rtol=1e-6)
+
+
+@only_on("torch")
+def test_torch_fit_clips_in_place_and_trains_as_keras():
+    """In ``fit()`` the clipped gradients are the ``.grad`` tensors
+    themselves (their global norm is the threshold after the step; Keras'
+    own optimizer leaves them unclipped), and the weights equal those of
+    Keras' optimizer with the same clipping."""
+    import torch
+
+    x = np.random.default_rng(0).normal(size=(16, 6)).astype("float32") * 50
+    y = np.random.default_rng(1).normal(size=(16, 3)).astype("float32") * 50
+
+    def fit(optimizer):
+        keras.utils.set_random_seed(0)
+        model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(8),
+                                  keras.layers.Dense(3)])
+        model.compile(optimizer=optimizer, loss="mse")
+        model.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)
+        grads = [v.value.grad for v in model.trainable_weights]
+        norm = float(torch.linalg.vector_norm(
+            torch.stack([torch.linalg.vector_norm(g) for g in grads])))
+        return model, norm
+
+    ours, ours_norm = fit(keras_ema_opt.Adam(0.01, global_clipnorm=1.0))
+    theirs, their_norm = fit(keras.optimizers.Adam(0.01, global_clipnorm=1.0))
+    assert their_norm > 10.0  # the loss is large: the rule clips
+    assert ours_norm == pytest.approx(1.0, rel=1e-5)
+    for a, b in zip(ours.get_weights(), theirs.get_weights()):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
+
+
 @only_on("torch")
 def test_torch_clipping_falls_back_for_mixed_dtypes(monkeypatch):
     """Gradients of two dtypes (or anything but dense float32/float64 of

@@ -309,18 +309,21 @@ def _clip_rule(optimizer, grads):
     return functools.partial(rule, threshold=float(threshold))
 
 
-def _clip_each_norm(grads, threshold):
+def _clip_each_norm(grads, threshold, in_place=False):
     """Keras' ``clipnorm``: ``g c / max(||g||, c)`` per gradient (a NaN
     norm gives NaN), as ``g (c / max(||g||, c))``: the scales of all the
     gradients in one vector op, then one multiplication of each gradient
     (Keras' rule to float32 round-off): one pass over the gradients fewer
     than multiplying by ``c`` and dividing by the norms."""
     norms = torch.stack(torch._foreach_norm(grads))
-    scales = threshold / torch.clamp_min(norms, threshold)
-    return list(torch._foreach_mul(grads, list(scales.unbind())))
+    scales = list((threshold / torch.clamp_min(norms, threshold)).unbind())
+    if in_place:
+        torch._foreach_mul_(grads, scales)
+        return grads
+    return list(torch._foreach_mul(grads, scales))
 
 
-def _clip_global_norm(grads, threshold):
+def _clip_global_norm(grads, threshold, in_place=False):
     """Keras' ``global_clipnorm`` (``clip_by_global_norm``): all gradients
     times ``c min(1 / n, 1 / c)`` for their global norm ``n``, NaN where
     ``n`` is not finite."""
@@ -328,14 +331,36 @@ def _clip_global_norm(grads, threshold):
     scale = threshold * torch.minimum(
         1.0 / norm, torch.tensor(1.0 / threshold, dtype=norm.dtype,
                                  device=norm.device)) + (norm - norm)
-    return torch._foreach_mul(grads, scale)
+    if in_place:
+        torch._foreach_mul_(grads, scale)
+        return grads
+    return list(torch._foreach_mul(grads, scale))
 
 
-def _clip_value(grads, threshold):
+def _clip_value(grads, threshold, in_place=False):
     """Keras' ``clipvalue``: each element into ``[-c, c]``."""
-    clipped = torch._foreach_clamp_max(grads, threshold)
+    if in_place:
+        torch._foreach_clamp_max_(grads, threshold)
+        clipped = grads
+    else:
+        clipped = list(torch._foreach_clamp_max(grads, threshold))
     torch._foreach_clamp_min_(clipped, -threshold)
     return clipped
+
+
+def _own_gradients(grads, variables):
+    """The ids of those of ``grads`` that are their variable's own
+    ``.grad`` tensor, as Keras' ``fit()`` hands them to the optimizer on
+    PyTorch (``[v.value.grad for v in trainable_weights]``). Not one that
+    is itself differentiated (``backward(create_graph=True)``)."""
+    owned = set()
+    for grad, variable in zip(grads, variables):
+        param = getattr(variable, "_value", variable)
+        if (grad is not None and isinstance(param, torch.Tensor)
+                and param.is_leaf and grad is param.grad
+                and not grad.requires_grad):
+            owned.add(id(grad))
+    return owned
 
 
 # Keras' order: the first clipping argument set applies.
@@ -349,16 +374,34 @@ _FUSED = {"Adam": _FusedAdamStep, "AdamW": _FusedAdamStep}
 class OptimizerHooks:
     """Overrides of Keras' ``TorchOptimizer``."""
 
+    def _backend_apply_gradients(self, grads, trainable_variables):
+        # Which gradients are the variables' own `.grad` tensors: those
+        # the clipping below may scale in place.
+        self.__dict__["_keo_own_grads"] = _own_gradients(
+            grads, trainable_variables)
+        try:
+            return super()._backend_apply_gradients(grads,
+                                                    trainable_variables)
+        finally:
+            self.__dict__["_keo_own_grads"] = set()
+
     def _clip_gradients(self, grads):
         # Keras' clipping rules with torch's multi-tensor kernels (one
         # `_foreach_norm` and one `_foreach_mul` for all the gradients, in
         # place of Keras' five to eight ops per gradient); the rule is
         # Keras', to float32 round-off (the norms sum in another order).
+        # Gradients that are all their variables' own `.grad` (`fit()`'s)
+        # are clipped in place, as `torch.nn.utils.clip_grad_norm_` does:
+        # no new gradient-sized tensors, which glibc's malloc would fault
+        # in afresh at every step. Any other gradients are left as the
+        # caller holds them.
         present = [g for g in grads if g is not None]
         rule = _clip_rule(self, present)
         if rule is None:
             return super()._clip_gradients(grads)
-        clipped = iter(rule(present))
+        owned = self.__dict__.get("_keo_own_grads") or ()
+        in_place = all(id(g) in owned for g in present)
+        clipped = iter(rule(present, in_place=in_place))
         return [None if g is None else next(clipped) for g in grads]
 
     def _apply_weight_decay(self, variables):
