@@ -803,6 +803,24 @@ def test_torch_leaves_differentiable_own_grads_unclipped():
 
 
 @only_on("torch")
+def test_torch_one_grad_of_two_variables_is_clipped_once():
+    """One tensor that is the ``.grad`` of two variables is not scaled
+    twice in place: it is clipped into new tensors, as Keras clips."""
+    import torch
+
+    a = keras.Variable(np.zeros((3,), "float32"))
+    b = keras.Variable(np.zeros((3,), "float32"))
+    grad = torch.full((3,), 4.0)
+    a.value.grad = b.value.grad = grad
+    with torch.no_grad():
+        keras_ema_opt.SGD(1.0, clipnorm=1.0).apply([grad, grad], [a, b])
+    np.testing.assert_array_equal(grad.numpy(), np.full((3,), 4.0))
+    expected = -np.full((3,), 1 / np.sqrt(3))
+    np.testing.assert_allclose(to_numpy(a), expected, rtol=1e-6)
+    np.testing.assert_allclose(to_numpy(b), expected, rtol=1e-6)
+
+
+@only_on("torch")
 def test_torch_fit_clips_in_place_and_trains_as_keras():
     """In ``fit()`` the clipped gradients are the ``.grad`` tensors
     themselves (their global norm is the threshold after the step; Keras'

@@ -400,7 +400,10 @@ class OptimizerHooks:
         if rule is None:
             return super()._clip_gradients(grads)
         owned = self.__dict__.get("_keo_own_grads") or ()
-        in_place = all(id(g) in owned for g in present)
+        # One tensor twice (the `.grad` of two variables) would be
+        # scaled twice in place.
+        in_place = (all(id(g) in owned for g in present)
+                    and len({id(g) for g in present}) == len(present))
         clipped = iter(rule(present, in_place=in_place))
         return [None if g is None else next(clipped) for g in grads]
 
