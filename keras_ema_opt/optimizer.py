@@ -331,9 +331,14 @@ class Optimizer(backend.OptimizerHooks, keras.optimizers.Optimizer):
             clipping arguments are set, the first of ``clipnorm``,
             ``global_clipnorm``, ``clipvalue`` applies, as in Keras 2.
             On PyTorch, gradients that are the variables' own ``.grad``
-            tensors (those ``fit()`` passes) are clipped in place, as
-            ``torch.nn.utils.clip_grad_norm_`` does; gradients held
-            otherwise are left unchanged, as Keras leaves them.
+            tensors (as ``fit()`` passes them) are clipped in place, as
+            ``torch.nn.utils.clip_grad_norm_`` does, so ``.grad`` holds
+            the clipped values after the step. Not where the step first
+            makes new gradients (loss scaling, ``LossScaleOptimizer``,
+            gradient accumulation, the mean over torch.distributed
+            ranks) nor under ``torch.compile``: there ``.grad`` keeps the
+            raw values, as with Keras' optimizer. Gradients held
+            otherwise are left unchanged.
         use_ema: Bool. Keep an exponential moving average of the weights.
         ema_momentum: Float in ``[0, 1]``, the EMA momentum.
         ema_overwrite_frequency: Int ``>= 1`` or ``None``: every so many

@@ -363,6 +363,18 @@ def _own_gradients(grads, variables):
     return owned
 
 
+def _writable_in_place(grads, owned):
+    """Whether ``grads`` may be clipped in place: all are in ``owned``
+    (:func:`_own_gradients`), each is dense (a broadcast ``.grad``, of
+    stride 0, cannot be written element by element) and no two share
+    storage (one buffer behind two variables' ``.grad`` would be scaled
+    twice)."""
+    if not all(id(g) in owned and g.is_contiguous() for g in grads):
+        return False
+    storages = {g.untyped_storage().data_ptr() for g in grads}
+    return len(storages) == len(grads)
+
+
 # Keras' order: the first clipping argument set applies.
 _CLIP_RULES = (("clipnorm", _clip_each_norm),
                ("global_clipnorm", _clip_global_norm),
@@ -400,10 +412,7 @@ class OptimizerHooks:
         if rule is None:
             return super()._clip_gradients(grads)
         owned = self.__dict__.get("_keo_own_grads") or ()
-        # One tensor twice (the `.grad` of two variables) would be
-        # scaled twice in place.
-        in_place = (all(id(g) in owned for g in present)
-                    and len({id(g) for g in present}) == len(present))
+        in_place = _writable_in_place(present, owned)
         clipped = iter(rule(present, in_place=in_place))
         return [None if g is None else next(clipped) for g in grads]
 
