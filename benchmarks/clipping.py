@@ -132,69 +132,23 @@ def measure(rule):
 FIT_KINDS = ("keras", "keras, no clipping", "ours", "ours, no clipping")
 
 
-def _fit_clock():
-    """A callback noting the time and the process's minor page faults at
-    the end of each batch."""
-    import resource
-    import time
-
-    import keras
-
-    from benchmarks import fit
-
-    class Clock(keras.callbacks.Callback):
-        def __init__(self):
-            super().__init__()
-            self.marks = []
-
-        def on_train_batch_end(self, batch, logs=None):
-            self.marks.append((time.perf_counter(), resource.getrusage(
-                resource.RUSAGE_SELF).ru_minflt))
-
-        def medians(self):
-            import statistics
-
-            import numpy as np
-
-            marks = np.array(self.marks[fit.WARMUP:], dtype=np.float64)
-            gaps = np.diff(marks, axis=0)
-            # Faults come in bursts (when malloc hands memory back and
-            # takes it again): their mean, not their median.
-            return statistics.median(gaps[:, 0]), float(gaps[:, 1].mean())
-
-    return Clock()
-
-
 def measure_fit(rule, rounds=None):
     """{kind: (median step seconds, minor faults a step)}: the medians over
-    the rounds of each run's median step and mean faults, ``kind`` from
-    ``FIT_KINDS``."""
-    import gc
+    the rounds of each run's median step and mean faults
+    (``benchmarks.fit``'s clock), ``kind`` from ``FIT_KINDS``."""
     import statistics
-
-    import numpy as np
 
     from benchmarks import fit
 
     rounds = fit.ROUNDS if rounds is None else rounds
-    rng = np.random.default_rng(0)
-    x = rng.standard_normal((fit.BATCH * fit.STEPS, fit.WIDTH),
-                            dtype=np.float32)
-    y = rng.standard_normal((fit.BATCH * fit.STEPS, fit.WIDTH),
-                            dtype=np.float32)
+    x, y = fit.data()
     runs = {kind: [] for kind in FIT_KINDS}
     for r in range(rounds):
         for kind in FIT_KINDS if r % 2 == 0 else FIT_KINDS[::-1]:
-            model = fit.model()
-            model.compile(optimizer=optimizer(
+            clock, _ = fit.fit_with(optimizer(
                 kind.split(",")[0], None if "no clipping" in kind else rule),
-                loss="mse")
-            clock = _fit_clock()
-            model.fit(x, y, batch_size=fit.BATCH, epochs=1, shuffle=False,
-                      verbose=0, callbacks=[clock])
-            runs[kind].append(clock.medians())
-            del model
-            gc.collect()
+                x, y)
+            runs[kind].append((clock.median_step(), clock.mean_faults()))
     return {kind: (statistics.median(s for s, _ in r),
                    statistics.median(f for _, f in r))
             for kind, r in runs.items()}

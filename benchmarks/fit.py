@@ -45,20 +45,32 @@ ROUNDS = int(os.environ.get("KEO_BENCH_ROUNDS", 6))
 
 
 def _clock():
-    """A callback noting when each batch ends (Keras imported late: the
-    backend is chosen by the environment first)."""
+    """A callback noting when each batch ends and the process's minor page
+    faults by then (Keras imported late: the backend is chosen by the
+    environment first)."""
+    import resource
+
     import keras
 
     class Clock(keras.callbacks.Callback):
         def __init__(self):
             super().__init__()
             self.times = []
+            self.faults = []
 
         def on_train_batch_end(self, batch, logs=None):
             self.times.append(time.perf_counter())
+            self.faults.append(
+                resource.getrusage(resource.RUSAGE_SELF).ru_minflt)
 
         def median_step(self):
             return statistics.median(np.diff(self.times[WARMUP:]))
+
+        def mean_faults(self):
+            """Minor page faults a batch after the first ``WARMUP``: their
+            mean, not their median (they come in bursts, when malloc
+            hands memory back and takes it again)."""
+            return float(np.mean(np.diff(self.faults[WARMUP:])))
 
     return Clock()
 
@@ -106,25 +118,38 @@ def schedule(names, round_index):
     return [run for _, _, runs in _turns(names, round_index) for run in runs]
 
 
-def _fit_once(name, x, y):
+def data():
+    """The ``(x, y)`` of one epoch of ``STEPS`` batches."""
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((BATCH * STEPS, WIDTH), dtype=np.float32)
+    y = rng.standard_normal((BATCH * STEPS, WIDTH), dtype=np.float32)
+    return x, y
+
+
+def fit_with(optimizer, x, y):
+    """One epoch of a new ``model()`` trained by ``optimizer``: its clock
+    (``_clock``) and its number of parameters."""
     m = model()
-    # The optimizers of the step benchmark (their `jit_compile` concerns
-    # eager steps: in fit() the step's own compilation, or the lack of it,
-    # applies).
-    m.compile(optimizer=keras_optimizer(name), loss="mse")
+    m.compile(optimizer=optimizer, loss="mse")
     clock = _clock()
     m.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0,
           callbacks=[clock])
     parameters = int(sum(np.prod(v.shape) for v in m.trainable_weights))
     del m
     gc.collect()
+    return clock, parameters
+
+
+def _fit_once(name, x, y):
+    # The optimizers of the step benchmark (their `jit_compile` concerns
+    # eager steps: in fit() the step's own compilation, or the lack of it,
+    # applies).
+    clock, parameters = fit_with(keras_optimizer(name), x, y)
     return clock.median_step(), parameters
 
 
 def run(names=NAMES, rounds=ROUNDS):
-    rng = np.random.default_rng(0)
-    x = rng.standard_normal((BATCH * STEPS, WIDTH), dtype=np.float32)
-    y = rng.standard_normal((BATCH * STEPS, WIDTH), dtype=np.float32)
+    x, y = data()
     names = list(dict.fromkeys(names))  # each configuration once
     times = {name: [] for name in names}  # per round, one run or several
     beside = {name: [] for name in names}  # the adjacent baseline's run

@@ -316,11 +316,8 @@ def _clip_each_norm(grads, threshold, in_place=False):
     (Keras' rule to float32 round-off): one pass over the gradients fewer
     than multiplying by ``c`` and dividing by the norms."""
     norms = torch.stack(torch._foreach_norm(grads))
-    scales = list((threshold / torch.clamp_min(norms, threshold)).unbind())
-    if in_place:
-        torch._foreach_mul_(grads, scales)
-        return grads
-    return list(torch._foreach_mul(grads, scales))
+    scales = threshold / torch.clamp_min(norms, threshold)
+    return _scaled(grads, list(scales.unbind()), in_place)
 
 
 def _clip_global_norm(grads, threshold, in_place=False):
@@ -331,10 +328,16 @@ def _clip_global_norm(grads, threshold, in_place=False):
     scale = threshold * torch.minimum(
         1.0 / norm, torch.tensor(1.0 / threshold, dtype=norm.dtype,
                                  device=norm.device)) + (norm - norm)
+    return _scaled(grads, scale, in_place)
+
+
+def _scaled(grads, scales, in_place):
+    """``grads`` times ``scales`` (one for all, or one each): written into
+    ``grads`` when ``in_place``, else new tensors."""
     if in_place:
-        torch._foreach_mul_(grads, scale)
+        torch._foreach_mul_(grads, scales)
         return grads
-    return list(torch._foreach_mul(grads, scale))
+    return list(torch._foreach_mul(grads, scales))
 
 
 def _clip_value(grads, threshold, in_place=False):
@@ -353,14 +356,9 @@ def _own_gradients(grads, variables):
     ``.grad`` tensor, as Keras' ``fit()`` hands them to the optimizer on
     PyTorch (``[v.value.grad for v in trainable_weights]``). Not one that
     is itself differentiated (``backward(create_graph=True)``)."""
-    owned = set()
-    for grad, variable in zip(grads, variables):
-        param = getattr(variable, "_value", variable)
-        if (grad is not None and isinstance(param, torch.Tensor)
-                and param.is_leaf and grad is param.grad
-                and not grad.requires_grad):
-            owned.add(id(grad))
-    return owned
+    return {id(grad) for grad, param in zip(grads, _tensors(variables))
+            if grad is not None and param.is_leaf and grad is param.grad
+            and not grad.requires_grad}
 
 
 def _writable_in_place(grads, owned):
