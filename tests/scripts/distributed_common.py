@@ -78,3 +78,46 @@ def write(path, data):
 def read(path):
     with open(path) as f:
         return json.load(f)
+
+
+def torch_group(rank=None, port=None, timeout=60):
+    """Join the two-rank gloo group: on ``127.0.0.1:port`` as ``rank``, or
+    from torchrun's environment when ``port`` is None. Ranks out of step
+    wait in a collective: they fail in ``timeout`` seconds, not 30 minutes.
+
+    Keras is imported first, on purpose. ``import keras`` imports
+    ``torch._dynamo``, and a process group created before that import
+    outlives ``destroy_process_group()``: its gloo threads keep running
+    until the process exits, and the exit can then abort with "terminate
+    called without an active exception" (seen in CI; reproduced by
+    importing ``torch._dynamo`` after ``init_process_group``). A script
+    that imports Keras first, as ours and the docs' do, is torn down
+    cleanly."""
+    import datetime
+
+    import keras  # noqa: F401  (before the group: see above)
+    import torch.distributed as dist
+
+    kwargs = {"timeout": datetime.timedelta(seconds=timeout)}
+    if port is not None:
+        kwargs.update(init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                      world_size=2)
+    dist.init_process_group("gloo", **kwargs)
+    return dist
+
+
+def leave_torch_group():
+    """Both ranks done before either tears gloo down (a rank that destroys
+    the group while its peer's collective still runs can end the peer),
+    then the group destroyed; on Linux, check that its gloo threads are
+    gone rather than left to abort the process at exit."""
+    import glob
+
+    import torch.distributed as dist
+
+    dist.barrier()
+    dist.destroy_process_group()
+    names = [open(p).read().strip()
+             for p in glob.glob("/proc/self/task/*/comm")]
+    left = [n for n in names if n.startswith(("pt_gloo", "gloo_"))]
+    assert not left, f"gloo threads outlive destroy_process_group: {left}"

@@ -23,7 +23,7 @@ import distributed_common as common  # noqa: E402
 
 
 def main(out):
-    dist.init_process_group("gloo")
+    common.torch_group()
     rank, world = dist.get_rank(), dist.get_world_size()
     import keras
 
@@ -56,8 +56,7 @@ def main(out):
         loop.optimizer.minimize(loss, loop.trainable_variables)
     result["loop"] = common.state(loop)
     common.write(os.path.join(out, f"rank{rank}.json"), result)
-    dist.barrier()
-    dist.destroy_process_group()
+    common.leave_torch_group()
 
 
 if __name__ == "__main__":

@@ -9,15 +9,13 @@ import os
 import sys
 
 os.environ["KERAS_BACKEND"] = "torch"
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import distributed_common as common  # noqa: E402
 
 
 def worker(rank, port, outdir):
-    import torch.distributed as dist
-
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-        world_size=2,
-    )
+    common.torch_group(rank, port)
     import keras
     import numpy as np
 
@@ -36,11 +34,7 @@ def worker(rank, port, outdir):
         out[label + "_input"] = keras.ops.convert_to_numpy(g).tolist()
     with open(os.path.join(outdir, f"rank{rank}.json"), "w") as f:
         json.dump(out, f)
-    # Both ranks done before either tears gloo down: a rank that destroys
-    # the group while its peer's collective thread still runs can end the
-    # peer with "terminate called without an active exception" (CI, once).
-    dist.barrier()
-    dist.destroy_process_group()
+    common.leave_torch_group()
 
 
 if __name__ == "__main__":

@@ -12,6 +12,9 @@ import os
 import sys
 
 os.environ["KERAS_BACKEND"] = "torch"
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import distributed_common as common  # noqa: E402
 
 BATCH, STEPS = 8, 4
 
@@ -52,11 +55,7 @@ def state(model):
 
 
 def worker(rank, port, outdir):
-    import torch.distributed as dist
-
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-        world_size=2)
+    common.torch_group(rank, port)
     model = build(seed=rank)
     x, y = data()
     # Rank r's share of global batch b: rows [8b + 4r, 8b + 4r + 4).
@@ -66,8 +65,7 @@ def worker(rank, port, outdir):
               verbose=0)
     with open(os.path.join(outdir, f"rank{rank}.json"), "w") as f:
         json.dump(state(model), f)
-    dist.barrier()
-    dist.destroy_process_group()
+    common.leave_torch_group()
 
 
 if __name__ == "__main__":

@@ -13,6 +13,9 @@ import os
 import sys
 
 os.environ["KERAS_BACKEND"] = "torch"
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import distributed_common as common  # noqa: E402
 
 EPOCHS = 12
 
@@ -57,33 +60,20 @@ def state(model):
 
 
 def worker(rank, port, outdir):
-    import datetime
-
-    import torch.distributed as dist
-
-    # Ranks out of step wait in a collective: fail in a minute, not 30.
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-        world_size=2, timeout=datetime.timedelta(seconds=60))
+    common.torch_group(rank, port)
     model = build()
     x, y = data(rank)
     model.fit(x, y, batch_size=4, epochs=EPOCHS, shuffle=False, verbose=0)
     with open(os.path.join(outdir, f"rank{rank}.json"), "w") as f:
         json.dump(state(model), f)
-    dist.barrier()
-    dist.destroy_process_group()
+    common.leave_torch_group()
 
 
 def peer(rank, port, outdir):
-    import datetime
-
     import keras
     import torch
-    import torch.distributed as dist
 
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-        world_size=2, timeout=datetime.timedelta(seconds=60))
+    dist = common.torch_group(rank, port)
     kernel, bias = (keras.ops.convert_to_numpy(v)
                     for v in build().trainable_variables)
     linear = torch.nn.Linear(2, 1)
@@ -111,8 +101,8 @@ def peer(rank, port, outdir):
         json.dump({"iterations": int(steps), "scale": scaler.get_scale(),
                    "weights": [linear.weight.detach().numpy().T.tolist(),
                                linear.bias.detach().numpy().tolist()]}, f)
-    dist.barrier()
-    dist.destroy_process_group()
+    del model, loss  # DDP's reducer holds the group until it is freed
+    common.leave_torch_group()
 
 
 if __name__ == "__main__":
