@@ -333,12 +333,13 @@ class Optimizer(backend.OptimizerHooks, keras.optimizers.Optimizer):
             On PyTorch, gradients that are the variables' own ``.grad``
             tensors (as ``fit()`` passes them) are clipped in place, as
             ``torch.nn.utils.clip_grad_norm_`` does, so ``.grad`` holds
-            the clipped values after the step. Not where the step first
-            makes new gradients (loss scaling, ``LossScaleOptimizer``,
-            gradient accumulation, the mean over torch.distributed
-            ranks) nor under ``torch.compile``: there ``.grad`` keeps the
-            raw values, as with Keras' optimizer. Gradients held
-            otherwise are left unchanged.
+            the clipped values after the step; so are the gradients the
+            step makes itself (gradient accumulation's average, the
+            mean over torch.distributed ranks in ``fit()``), which no
+            caller holds. There, and under loss scaling
+            (``LossScaleOptimizer``) or ``torch.compile``, ``.grad``
+            keeps the raw values, as with Keras' optimizer. Gradients
+            held otherwise are left unchanged.
         use_ema: Bool. Keep an exponential moving average of the weights.
         ema_momentum: Float in ``[0, 1]``, the EMA momentum.
         ema_overwrite_frequency: Int ``>= 1`` or ``None``: every so many

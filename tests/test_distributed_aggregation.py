@@ -70,6 +70,8 @@ def test_mirrored_fit_overwrites_with_the_average_as_one_device():
 
 @only_on("torch")
 def test_torch_distributed_averages_ranks(tmp_path):
+    import numpy as np
+
     _run("torch_gloo_aggregation.py", str(_free_port()), str(tmp_path),
          backend="torch")
     results = [json.loads(p.read_text()) for p in tmp_path.glob("rank*.json")]
@@ -81,6 +83,12 @@ def test_torch_distributed_averages_ranks(tmp_path):
         assert r["default_input"] == [float(r["rank"] + 1)] * 2
         # Skipped: each rank applies its own gradient.
         assert r["skip"] == [-(r["rank"] + 1.0)] * 2
+        # fit()'s path with global_clipnorm=1: the mean (1.5, 1.5) scaled
+        # to norm 1, in place (the step made it); the input unchanged.
+        np.testing.assert_allclose(r["clipped"], [-0.5 ** 0.5] * 2,
+                                   rtol=1e-6)
+        assert r["clipped_input"] == [float(r["rank"] + 1)] * 2
+        assert r["clipped_in_place"] == [True]
 
 
 @only_on("torch")

@@ -833,6 +833,79 @@ def test_torch_own_grads_that_cannot_be_written_are_clipped_anew(layout):
 
 
 @only_on("torch")
+@pytest.mark.parametrize("clip", _CLIPS)
+def test_torch_clips_the_accumulated_average_in_place(clip, monkeypatch):
+    """Under gradient accumulation the update step clips the average that
+    Keras' step makes (``(g + acc) / steps``) in place: no caller holds
+    it. The caller's gradients stay as they were, and the steps equal
+    Keras' own optimizer's with the same accumulation and clipping."""
+    import torch
+
+    from keras_ema_opt.backend import torch as torch_backend
+
+    calls = []
+
+    def spied(rule):
+        def spy(grads, threshold, in_place=False):
+            calls.append(in_place)
+            return rule(grads, threshold, in_place=in_place)
+        return spy
+
+    monkeypatch.setattr(torch_backend, "_CLIP_RULES", tuple(
+        (name, spied(rule)) for name, rule in torch_backend._CLIP_RULES))
+    rng = np.random.default_rng(7)
+    values = [rng.normal(size=s).astype("float32") for s in [(6, 4), (4,)]]
+    steps = [[(rng.normal(size=v.shape) * 3).astype("float32")
+              for v in values] for _ in range(4)]
+    ours_vars = [keras.Variable(v) for v in values]
+    keras_vars = [keras.Variable(v) for v in values]
+    ours = keras_ema_opt.SGD(0.1, gradient_accumulation_steps=2, **clip)
+    theirs = keras.optimizers.SGD(0.1, gradient_accumulation_steps=2, **clip)
+    for raw in steps:
+        grads = [torch.tensor(g) for g in raw]
+        with torch.no_grad():
+            ours.apply(grads, ours_vars)
+        theirs.apply([keras.ops.convert_to_tensor(g) for g in raw],
+                     keras_vars)
+        for g, before in zip(grads, raw):
+            np.testing.assert_array_equal(g.numpy(), before)
+    assert calls == [True, True]  # the two update steps, in place
+    for a, b in zip(ours_vars, keras_vars):
+        np.testing.assert_allclose(to_numpy(a), to_numpy(b), rtol=1e-6,
+                                   atol=1e-8)
+
+
+@only_on("torch")
+def test_torch_step_made_gradients_sharing_memory_are_not_written():
+    """The rule that lets the clipping write a gradient Keras' step made:
+    a fresh tensor may be written; an input, a view of an input's memory,
+    or a view of a variable's (an accumulator's) may not."""
+    import torch
+
+    from keras_ema_opt.backend.torch import _writable_in_place
+
+    given = torch.ones(6)
+    accumulator = keras.Variable(np.zeros((6,), "float32"))
+
+    def writable(grad):
+        return _writable_in_place([grad], set(), [given],
+                                  lambda: [accumulator])
+
+    assert writable(given * 2)
+    assert not writable(given)
+    assert not writable(given.view(2, 3))
+    assert not writable(given[:3])
+    assert not writable(accumulator.value.view(2, 3))
+    # A mean the step made (owned), as disjoint views of one buffer: yes;
+    # two views overlapping: no.
+    flat = torch.ones(6)
+    head, tail, overlap = flat[:3], flat[3:], flat[2:5]
+    assert _writable_in_place([head, tail], {id(head), id(tail)}, [], list)
+    assert not _writable_in_place([head, overlap], {id(head), id(overlap)},
+                                  [], list)
+
+
+@only_on("torch")
 @pytest.mark.parametrize("accumulate", [None, 2])
 def test_torch_fit_clips_in_place_and_trains_as_keras(accumulate):
     """In ``fit()`` the clipped gradients are the ``.grad`` tensors

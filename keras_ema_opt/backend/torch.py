@@ -361,16 +361,32 @@ def _own_gradients(grads, variables):
             and not grad.requires_grad}
 
 
-def _writable_in_place(grads, owned):
-    """Whether ``grads`` may be clipped in place: all are in ``owned``
-    (:func:`_own_gradients`), each is dense (a broadcast ``.grad``, of
-    stride 0, cannot be written element by element) and no two share
-    storage (one buffer behind two variables' ``.grad`` would be scaled
-    twice)."""
-    if not all(id(g) in owned and g.is_contiguous() for g in grads):
+def _writable_in_place(grads, owned, inputs, held):
+    """Whether ``grads`` may be clipped in place. Each one is dense (a
+    broadcast ``.grad``, of stride 0, cannot be written element by
+    element) and either in ``owned`` (a variable's own ``.grad``, or a
+    mean over the ranks the step made) or made by Keras' step itself
+    (gradient accumulation's ``(g + acc) / steps``): none of the step's
+    ``inputs``, and sharing memory with none of them nor with the tensors
+    of the variables ``held()`` returns. And no two overlap in memory:
+    one buffer behind two variables' ``.grad`` would be scaled twice,
+    while the disjoint views of the ranks' flat buffer are each scaled
+    once."""
+    if not all(g.is_contiguous() for g in grads):
         return False
-    storages = {g.untyped_storage().data_ptr() for g in grads}
-    return len(storages) == len(grads)
+    made = [g for g in grads if id(g) not in owned]
+    if made:
+        given = [t for t in inputs if isinstance(t, torch.Tensor)]
+        if {id(g) for g in made} & {id(t) for t in given}:
+            return False
+        foreign = {t.untyped_storage().data_ptr()
+                   for t in given + _tensors(held())}
+        if any(g.untyped_storage().data_ptr() in foreign for g in made):
+            return False
+    spans = sorted((g.data_ptr(), g.data_ptr() + g.numel() * g.element_size())
+                   for g in grads)
+    return all(start >= end for (_, end), (start, _) in zip(spans,
+                                                           spans[1:]))
 
 
 # Keras' order: the first clipping argument set applies.
@@ -385,15 +401,21 @@ class OptimizerHooks:
     """Overrides of Keras' ``TorchOptimizer``."""
 
     def _backend_apply_gradients(self, grads, trainable_variables):
-        # Which gradients are the variables' own `.grad` tensors: those
-        # the clipping below may scale in place.
-        self.__dict__["_keo_own_grads"] = _own_gradients(
-            grads, trainable_variables)
+        # Which gradients the clipping below may scale in place: the
+        # variables' own `.grad` tensors, the mean over the ranks that
+        # `step_gradients` made for this step, and any tensor Keras' step
+        # makes from them (not one of `grads`). `grads` stays referenced
+        # until the step ends, so no id is reused meanwhile.
+        made = self.__dict__.pop("_keo_step_made", ())
+        owned = _own_gradients(grads, trainable_variables)
+        owned.update(id(g) for g in made)
+        self.__dict__["_keo_clip_context"] = (owned, grads, made,
+                                              trainable_variables)
         try:
             return super()._backend_apply_gradients(grads,
                                                     trainable_variables)
         finally:
-            self.__dict__["_keo_own_grads"] = set()
+            self.__dict__["_keo_clip_context"] = None
 
     def _clip_gradients(self, grads):
         # Keras' clipping rules with torch's multi-tensor kernels (one
@@ -401,16 +423,22 @@ class OptimizerHooks:
         # place of Keras' five to eight ops per gradient); the rule is
         # Keras', to float32 round-off (the norms sum in another order).
         # Gradients that are all their variables' own `.grad` (`fit()`'s)
-        # are clipped in place, as `torch.nn.utils.clip_grad_norm_` does:
-        # no new gradient-sized tensors, which glibc's malloc would fault
-        # in afresh at every step. Any other gradients are left as the
-        # caller holds them.
+        # or made by the step (the mean over the ranks, accumulation's
+        # average) are clipped in place, as `torch.nn.utils.
+        # clip_grad_norm_` does: no new gradient-sized tensors, which
+        # glibc's malloc would fault in afresh at every step. Any other
+        # gradients are left as the caller holds them.
         present = [g for g in grads if g is not None]
         rule = _clip_rule(self, present)
         if rule is None:
             return super()._clip_gradients(grads)
-        owned = self.__dict__.get("_keo_own_grads") or ()
-        in_place = _writable_in_place(present, owned)
+        context = self.__dict__.get("_keo_clip_context")
+        in_place = False
+        if context is not None:
+            owned, inputs, _, variables = context
+            in_place = _writable_in_place(
+                present, owned, inputs,
+                lambda: list(self.variables) + list(variables))
         clipped = iter(rule(present, in_place=in_place))
         return [None if g is None else next(clipped) for g in grads]
 
@@ -517,10 +545,17 @@ def step_gradients(optimizer, grads):
     """In ``fit()`` (which calls ``optimizer.apply``) and in any step that
     did not come through ``apply_gradients``, the gradients are reduced to
     their mean over the ranks here, the optimizer's aggregation step."""
+    optimizer.__dict__.pop("_keo_step_made", None)
     if _world_size() == 1 or getattr(optimizer, "_gradients_aggregated",
                                      False):
         return grads
-    return _all_reduce_mean(grads)
+    reduced = _all_reduce_mean(grads)
+    if not optimizer.gradient_transformers:
+        # No caller holds the mean: the clipping may scale it in place
+        # (`OptimizerHooks`). A transformer is handed it and may keep it.
+        optimizer.__dict__["_keo_step_made"] = [
+            g for g in reduced if g is not None]
+    return reduced
 
 
 def on_create(optimizer):

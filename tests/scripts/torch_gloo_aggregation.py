@@ -32,6 +32,28 @@ def worker(rank, port, outdir):
         out[label + "_aggregate"] = keras.ops.convert_to_numpy(agg).tolist()
         # The caller's gradient is left as it was.
         out[label + "_input"] = keras.ops.convert_to_numpy(g).tolist()
+    # fit()'s path (apply: the step takes the mean over the ranks itself)
+    # with global_clipnorm: the mean, which only the step holds, is
+    # clipped in place; the caller's gradient is left as it was.
+    from keras_ema_opt.backend import torch as torch_backend
+
+    calls = []
+
+    def spied(rule):
+        def spy(grads, threshold, in_place=False):
+            calls.append(in_place)
+            return rule(grads, threshold, in_place=in_place)
+        return spy
+
+    torch_backend._CLIP_RULES = tuple(
+        (name, spied(rule)) for name, rule in torch_backend._CLIP_RULES)
+    w = keras.Variable(np.zeros(2, "float32"))
+    opt = keras_ema_opt.SGD(learning_rate=1.0, global_clipnorm=1.0)
+    g = keras.ops.full((2,), float(rank + 1))
+    opt.apply([g], [w])
+    out["clipped"] = keras.ops.convert_to_numpy(w).tolist()
+    out["clipped_input"] = keras.ops.convert_to_numpy(g).tolist()
+    out["clipped_in_place"] = calls
     with open(os.path.join(outdir, f"rank{rank}.json"), "w") as f:
         json.dump(out, f)
     common.leave_torch_group()
