@@ -3,7 +3,8 @@ in an Adam + EMA step, for each of Keras' rules (``clipnorm``,
 ``global_clipnorm``, ``clipvalue``), on the step benchmark's problem (200
 float32 tensors of 50,000 elements).
 
-    KERAS_BACKEND=torch python -m benchmarks.clipping [--rules ...] [--fit]
+    KERAS_BACKEND=torch python -m benchmarks.clipping [--rules ...] [--fit
+        [--accumulate N]]
 
 On PyTorch ours clips with torch's multi-tensor kernels (one
 ``_foreach_norm`` and one ``_foreach_mul`` for all the gradients) where
@@ -21,7 +22,10 @@ median gap between batches after the first ``WARMUP`` and the mean of
 the process's minor page faults a batch (``getrusage``) after them: on PyTorch
 ``fit()`` hands the optimizer the variables' own ``.grad`` tensors, which
 ours clips in place, where new clipped tensors would be faulted in again
-at each step under glibc's default malloc.
+at each step under glibc's default malloc. With ``--accumulate N`` both
+optimizers take ``gradient_accumulation_steps=N``: the update step clips
+the average Keras' step makes (``(g + acc) / N``), which ours also clips
+in place.
 """
 
 import argparse
@@ -56,12 +60,14 @@ def _block(values):
         jax.block_until_ready(values)
 
 
-def optimizer(kind, rule):
+def optimizer(kind, rule, accumulate=None):
     import keras
 
     import keras_ema_opt
 
     clip = {} if rule is None else {rule: RULES[rule]}
+    if accumulate:
+        clip["gradient_accumulation_steps"] = accumulate
     if kind == "keras":
         return keras.optimizers.Adam(LR, use_ema=True,
                                      ema_momentum=MOMENTUM, **clip)
@@ -132,7 +138,7 @@ def measure(rule):
 FIT_KINDS = ("keras", "keras, no clipping", "ours", "ours, no clipping")
 
 
-def measure_fit(rule, rounds=None):
+def measure_fit(rule, rounds=None, accumulate=None):
     """{kind: (median step seconds, minor faults a step)}: the medians over
     the rounds of each run's median step and mean faults
     (``benchmarks.fit``'s clock), ``kind`` from ``FIT_KINDS``."""
@@ -146,20 +152,21 @@ def measure_fit(rule, rounds=None):
     for r in range(rounds):
         for kind in FIT_KINDS if r % 2 == 0 else FIT_KINDS[::-1]:
             clock, _ = fit.fit_with(optimizer(
-                kind.split(",")[0], None if "no clipping" in kind else rule),
-                x, y)
+                kind.split(",")[0], None if "no clipping" in kind else rule,
+                accumulate), x, y)
             runs[kind].append((clock.median_step(), clock.mean_faults()))
     return {kind: (statistics.median(s for s, _ in r),
                    statistics.median(f for _, f in r))
             for kind, r in runs.items()}
 
 
-def run_fit(rules=tuple(RULES), rounds=None):
+def run_fit(rules=tuple(RULES), rounds=None, accumulate=None):
     records = []
     for rule in rules:
-        m = measure_fit(rule, rounds)
+        m = measure_fit(rule, rounds, accumulate)
         records.append({
             "bench": "clipping_fit", "backend": BACKEND, "name": rule,
+            "accumulate": accumulate,
             "keras_seconds": m["keras"][0], "seconds": m["ours"][0],
             "keras_unclipped_seconds": m["keras, no clipping"][0],
             "unclipped_seconds": m["ours, no clipping"][0],
@@ -176,7 +183,9 @@ def fit_table(records):
          "Keras faults a step", "ours (ms)", "ours, no clipping (ms)",
          "ours faults a step", "ours, no clipping, faults a step",
          "Keras / ours"],
-        [[r["name"], f"{r['keras_seconds'] * 1e3:.2f}",
+        [[r["name"] + (f", accumulating {r['accumulate']}"
+                       if r.get("accumulate") else ""),
+          f"{r['keras_seconds'] * 1e3:.2f}",
           f"{r['keras_unclipped_seconds'] * 1e3:.2f}",
           f"{r['keras_faults']:.0f}", f"{r['seconds'] * 1e3:.2f}",
           f"{r['unclipped_seconds'] * 1e3:.2f}", f"{r['faults']:.0f}",
@@ -213,10 +222,17 @@ def main(argv=None):
                         help="comma-separated: " + ", ".join(RULES))
     parser.add_argument("--fit", action="store_true",
                         help="time each rule in model.fit (see above)")
+    parser.add_argument("--accumulate", type=int, default=None,
+                        help="with --fit: gradient_accumulation_steps")
     args = parser.parse_args(argv)
     rules = common.comma_list(parser, "--rules", args.rules, RULES)
+    if args.accumulate is not None and (not args.fit
+                                        or args.accumulate < 2):
+        parser.error("--accumulate takes an integer of at least 2, with "
+                     f"--fit; received {args.accumulate}"
+                     + ("" if args.fit else " without --fit"))
     if args.fit:
-        print(fit_table(run_fit(rules)))
+        print(fit_table(run_fit(rules, accumulate=args.accumulate)))
     else:
         print(table(run(rules)))
     return 0

@@ -470,22 +470,29 @@ def test_clipping_benchmark_runs_on_torch():
 
 @pytest.mark.skipif(BACKEND != "torch", reason="in-place clipping of the "
                     "variables' .grad is PyTorch's")
-def test_clipping_benchmark_times_fit_on_torch():
+@pytest.mark.parametrize("accumulate", [None, 2])
+def test_clipping_benchmark_times_fit_on_torch(accumulate):
     """``--fit``: Keras' and our optimizer, with the rule and without it,
-    in ``model.fit``; step times and page faults a step."""
+    in ``model.fit``; step times and page faults a step; with
+    ``--accumulate``, under gradient accumulation."""
+    extra = () if accumulate is None else ("--accumulate", str(accumulate))
     out = run_python("-m", "benchmarks.clipping", "--fit", "--rules",
-                     "global_clipnorm", backend=BACKEND, timeout=300,
-                     **SMALL).stdout
+                     "global_clipnorm", *extra, backend=BACKEND,
+                     timeout=300, **SMALL).stdout
     (record,) = _bench_lines(out)
     assert (record["bench"], record["name"]) == ("clipping_fit",
                                                  "global_clipnorm")
+    assert record["accumulate"] == accumulate
     for key in ("seconds", "keras_seconds", "unclipped_seconds",
                 "keras_unclipped_seconds"):
         assert record[key] > 0, key
     for key in ("faults", "keras_faults", "unclipped_faults"):
         assert record[key] >= 0, key
     assert record["speedup"] == record["keras_seconds"] / record["seconds"]
-    assert "| global_clipnorm | " in out and "ours faults a step" in out
+    label = "global_clipnorm" + (f", accumulating {accumulate}"
+                                 if accumulate else "")
+    assert f"| {label} | " in out and "ours faults a step" in out
+
 
 def test_clipping_benchmark_refuses_an_unknown_rule(capsys):
     from benchmarks import clipping
@@ -494,6 +501,18 @@ def test_clipping_benchmark_refuses_an_unknown_rule(capsys):
         clipping.main(["--rules", "clipnorm,l2"])
     err = capsys.readouterr().err
     assert "unknown l2" in err and "global_clipnorm" in err
+
+
+@pytest.mark.parametrize("argv", [["--accumulate", "2"],
+                                  ["--fit", "--accumulate", "1"]])
+def test_clipping_benchmark_refuses_a_bad_accumulation(argv, capsys):
+    from benchmarks import clipping
+
+    with pytest.raises(SystemExit):
+        clipping.main(argv)
+    err = capsys.readouterr().err
+    assert "--accumulate takes an integer of at least 2" in err
+    assert "received " + argv[-1] in err
 
 
 HLO_MODULE = """HloModule m
