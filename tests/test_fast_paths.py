@@ -8,12 +8,15 @@ cannot take) the ``keras.ops`` path runs. Oracles: Keras' own optimizers,
 and the averaging formula in float64.
 """
 
+import os
+
 import keras
 import numpy as np
 import pytest
 
 import keras_ema_opt
 from conftest import BACKEND
+from conftest import ROOT
 from conftest import only_on
 from conftest import to_numpy
 
@@ -843,16 +846,12 @@ def test_torch_clips_the_accumulated_average_in_place(clip, monkeypatch):
 
     from keras_ema_opt.backend import torch as torch_backend
 
+    monkeypatch.syspath_prepend(os.path.join(ROOT, "tests", "scripts"))
+    import distributed_common
+
     calls = []
-
-    def spied(rule):
-        def spy(grads, threshold, in_place=False):
-            calls.append(in_place)
-            return rule(grads, threshold, in_place=in_place)
-        return spy
-
-    monkeypatch.setattr(torch_backend, "_CLIP_RULES", tuple(
-        (name, spied(rule)) for name, rule in torch_backend._CLIP_RULES))
+    monkeypatch.setattr(torch_backend, "_CLIP_RULES",
+                        distributed_common.clipping_spies(calls))
     rng = np.random.default_rng(7)
     values = [rng.normal(size=s).astype("float32") for s in [(6, 4), (4,)]]
     steps = [[(rng.normal(size=v.shape) * 3).astype("float32")

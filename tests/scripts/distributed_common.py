@@ -121,3 +121,19 @@ def leave_torch_group():
              for p in glob.glob("/proc/self/task/*/comm")]
     left = [n for n in names if n.startswith(("pt_gloo", "gloo_"))]
     assert not left, f"gloo threads outlive destroy_process_group: {left}"
+
+
+def clipping_spies(calls):
+    """The torch backend's clipping rules, each appending to ``calls``
+    whether it was asked to write in place: a value for
+    ``keras_ema_opt.backend.torch._CLIP_RULES``."""
+    from keras_ema_opt.backend import torch as torch_backend
+
+    def spied(rule):
+        def spy(grads, threshold, in_place=False):
+            calls.append(in_place)
+            return rule(grads, threshold, in_place=in_place)
+        return spy
+
+    return tuple((name, spied(rule))
+                 for name, rule in torch_backend._CLIP_RULES)

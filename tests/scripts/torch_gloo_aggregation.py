@@ -38,15 +38,7 @@ def worker(rank, port, outdir):
     from keras_ema_opt.backend import torch as torch_backend
 
     calls = []
-
-    def spied(rule):
-        def spy(grads, threshold, in_place=False):
-            calls.append(in_place)
-            return rule(grads, threshold, in_place=in_place)
-        return spy
-
-    torch_backend._CLIP_RULES = tuple(
-        (name, spied(rule)) for name, rule in torch_backend._CLIP_RULES)
+    torch_backend._CLIP_RULES = common.clipping_spies(calls)
     w = keras.Variable(np.zeros(2, "float32"))
     opt = keras_ema_opt.SGD(learning_rate=1.0, global_clipnorm=1.0)
     g = keras.ops.full((2,), float(rank + 1))
