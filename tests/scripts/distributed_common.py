@@ -117,8 +117,13 @@ def leave_torch_group():
 
     dist.barrier()
     dist.destroy_process_group()
-    names = [open(p).read().strip()
-             for p in glob.glob("/proc/self/task/*/comm")]
+    names = []
+    for path in glob.glob("/proc/self/task/*/comm"):
+        try:
+            with open(path) as f:
+                names.append(f.read().strip())
+        except FileNotFoundError:  # a thread that ended meanwhile
+            pass
     left = [n for n in names if n.startswith(("pt_gloo", "gloo_"))]
     assert not left, f"gloo threads outlive destroy_process_group: {left}"
 
