@@ -65,14 +65,14 @@ def optimizer(kind, rule, accumulate=None):
 
     import keras_ema_opt
 
-    clip = {} if rule is None else {rule: RULES[rule]}
+    options = {} if rule is None else {rule: RULES[rule]}
     if accumulate:
-        clip["gradient_accumulation_steps"] = accumulate
+        options["gradient_accumulation_steps"] = accumulate
     if kind == "keras":
         return keras.optimizers.Adam(LR, use_ema=True,
-                                     ema_momentum=MOMENTUM, **clip)
+                                     ema_momentum=MOMENTUM, **options)
     return keras_ema_opt.Adam(LR, averaging=keras_ema_opt.EMA(MOMENTUM),
-                              **clip)
+                              **options)
 
 
 def interleaved(fns, sync, warmup=common.WARMUP, repeats=common.REPEATS):

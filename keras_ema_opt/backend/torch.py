@@ -401,16 +401,14 @@ class OptimizerHooks:
     """Overrides of Keras' ``TorchOptimizer``."""
 
     def _backend_apply_gradients(self, grads, trainable_variables):
-        # Which gradients the clipping below may scale in place: the
-        # variables' own `.grad` tensors, the mean over the ranks that
-        # `step_gradients` made for this step, and any tensor Keras' step
-        # makes from them (not one of `grads`). `grads` stays referenced
-        # until the step ends, so no id is reused meanwhile.
-        made = self.__dict__.pop("_keo_step_made", ())
-        owned = _own_gradients(grads, trainable_variables)
-        owned.update(id(g) for g in made)
-        self.__dict__["_keo_clip_context"] = (owned, grads, made,
-                                              trainable_variables)
+        # What the clipping below needs to decide which gradients it may
+        # scale in place (`_clip_gradients`): this step's gradients and
+        # variables, and the mean over the ranks that `step_gradients`
+        # made for it. Holding them until the step ends keeps their ids
+        # from being reused meanwhile.
+        self.__dict__["_keo_clip_context"] = (
+            grads, trainable_variables,
+            self.__dict__.pop("_keo_step_made", ()))
         try:
             return super()._backend_apply_gradients(grads,
                                                     trainable_variables)
@@ -435,7 +433,9 @@ class OptimizerHooks:
         context = self.__dict__.get("_keo_clip_context")
         in_place = False
         if context is not None:
-            owned, inputs, _, variables = context
+            inputs, variables, made = context
+            owned = _own_gradients(inputs, variables)
+            owned.update(id(g) for g in made)
             in_place = _writable_in_place(
                 present, owned, inputs,
                 lambda: list(self.variables) + list(variables))
