@@ -605,7 +605,7 @@ def _check_payload(payload):
 
 def main(argv=None):
     parser = argparse.ArgumentParser(
-        prog="python -m benchmarks", description=__doc__.splitlines()[0])
+        prog="python -m benchmarks", description=common.summary(__doc__))
     parser.add_argument("--backends", default=",".join(BACKENDS))
     parser.add_argument("--out", default=str(ROOT / "benchmarks" /
                                              "results"))

@@ -217,7 +217,7 @@ def table(records):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=common.summary(__doc__))
     parser.add_argument("--rules", default=",".join(RULES),
                         help="comma-separated: " + ", ".join(RULES))
     parser.add_argument("--fit", action="store_true",

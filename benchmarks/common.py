@@ -111,6 +111,12 @@ def markdown_table(header, rows):
     return "\n".join(lines)
 
 
+def summary(doc):
+    """The first paragraph of a module's docstring on one line: its
+    command's ``--help`` description."""
+    return " ".join(doc.strip().split("\n\n")[0].split())
+
+
 def comma_list(parser, option, value, accepted):
     """The names of a comma-separated ``value`` of ``option``; the parser's
     error (exit 2) names any not in ``accepted``, and what is."""

@@ -178,7 +178,7 @@ def run(names=NAMES, rounds=ROUNDS):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=common.summary(__doc__))
     parser.add_argument("--names", default=None)
     args = parser.parse_args(argv)
     run(args.names.split(",") if args.names else NAMES)

@@ -125,7 +125,7 @@ def table(records):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=common.summary(__doc__))
     parser.add_argument("--arrays", type=int, default=360)
     parser.add_argument("--extra", type=int, default=120)
     args = parser.parse_args(argv)

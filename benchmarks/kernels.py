@@ -293,7 +293,7 @@ def table(records):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=common.summary(__doc__))
     parser.add_argument("--names", default=None,
                         help="comma-separated configurations of "
                         "benchmarks.fit (with --step: of benchmarks.step)")

@@ -423,7 +423,7 @@ def _import_backend():
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=common.summary(__doc__))
     parser.add_argument("--names", default=None,
                         help="comma-separated configurations (default all)")
     parser.add_argument("--memory", default=None,

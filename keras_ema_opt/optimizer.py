@@ -969,8 +969,18 @@ class Optimizer(backend.OptimizerHooks, keras.optimizers.Optimizer):
                     f"variable) pairs. Received the item {pair!r} of type "
                     f"{type(pair).__name__}.")
         grads_and_vars = _filter_empty_gradients(grads_and_vars)
+        made = []
         if aggregate and not skip_gradients_aggregation:
+            given = grads_and_vars
             grads_and_vars = self.aggregate_gradients(grads_and_vars)
+            if (self.gradient_aggregator is None
+                    and type(self).aggregate_gradients
+                    is Optimizer.aggregate_gradients):
+                # What the backend's own aggregation made (the mean over
+                # the ranks) is held by no caller.
+                ids = {id(g) for g, _ in given}
+                made = [g for g, _ in grads_and_vars if id(g) not in ids]
+        backend.mark_step_made(self, made)
         grads = [g for g, _ in grads_and_vars]
         variables = [v for _, v in grads_and_vars]
         self._gradients_aggregated = True

@@ -719,3 +719,21 @@ def test_host_benchmark_refuses_another_backend_and_no_arrays(
     with pytest.raises(SystemExit):
         host.main(["--arrays", "0"])
     assert "Received: arrays=0, extra=120" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("module", ["__main__", "step", "fit", "clipping",
+                                    "host", "kernels"])
+def test_each_command_describes_itself_in_full(module, capsys):
+    """`--help` opens with the module docstring's whole first paragraph
+    (not its first line, cut mid-sentence)."""
+    import importlib
+
+    from benchmarks import common
+
+    mod = importlib.import_module(f"benchmarks.{module}")
+    with pytest.raises(SystemExit) as stop:
+        mod.main(["--help"])
+    assert stop.value.code == 0
+    description = common.summary(mod.__doc__)
+    assert description.endswith(".")
+    assert description in " ".join(capsys.readouterr().out.split())

@@ -89,6 +89,16 @@ def test_torch_distributed_averages_ranks(tmp_path):
                                    rtol=1e-6)
         assert r["clipped_input"] == [float(r["rank"] + 1)] * 2
         assert r["clipped_in_place"] == [True]
+        # apply_gradients' own mean: clipped in place too.
+        np.testing.assert_allclose(r["applied"], [-0.5 ** 0.5] * 2,
+                                   rtol=1e-6)
+        assert r["applied_input"] == [float(r["rank"] + 1)] * 2
+        assert r["applied_in_place"] == [True]
+        # A mean the caller holds: clipped into new tensors, the caller's
+        # left as it was.
+        np.testing.assert_allclose(r["held"], [-0.5 ** 0.5] * 2, rtol=1e-6)
+        assert r["held_in_place"] == [False]
+        assert r["held_mean"] == [1.5, 1.5]
 
 
 @only_on("torch")

@@ -28,6 +28,9 @@ here. Each backend module provides the same set:
 - ``step_gradients(optimizer, grads)``: the gradients an optimizer step
   applies, reduced over the replicas where the backend's own step does not
   do it (the mean over the ranks of ``torch.distributed``).
+- ``mark_step_made(optimizer, grads)``: note the gradients that
+  ``apply_gradients``' own aggregation made for the coming step (no
+  caller holds them: PyTorch's clipping may scale them in place).
 - ``sync_initial_state(optimizer, variables)``: make every replica start
   from the same variables before the optimizer state is built (broadcast
   from rank 0 under ``torch.distributed``).
@@ -89,6 +92,7 @@ current_value = _impl.current_value
 attach_model = _impl.attach_model
 prepare_model = _impl.prepare_model
 step_gradients = _impl.step_gradients
+mark_step_made = _impl.mark_step_made
 sync_initial_state = _impl.sync_initial_state
 is_chief = _impl.is_chief
 on_create = _impl.on_create
@@ -113,6 +117,7 @@ __all__ = [
     "attach_model",
     "prepare_model",
     "step_gradients",
+    "mark_step_made",
     "sync_initial_state",
     "is_chief",
     "on_create",

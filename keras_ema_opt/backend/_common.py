@@ -87,6 +87,12 @@ def step_gradients(optimizer, grads):
     return grads
 
 
+def mark_step_made(optimizer, grads):
+    """Nothing to note: only PyTorch's clipping writes gradients in
+    place."""
+    del optimizer, grads
+
+
 def sync_initial_state(optimizer, variables):
     """Nothing to do where every replica starts from the same values."""
     del optimizer, variables

@@ -19,6 +19,7 @@ assign_copy = _common.assign_copy
 current_value = _common.current_value
 prepare_gradients = _common.prepare_gradients
 step_gradients = _common.step_gradients
+mark_step_made = _common.mark_step_made
 sync_initial_state = _common.sync_initial_state
 on_create = _common.on_create
 build_scope = _common.build_scope

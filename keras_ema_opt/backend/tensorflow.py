@@ -17,6 +17,7 @@ sync_training_state = _common.sync_training_state
 # Keras' TensorFlow step all-reduces inside `_backend_update_step`, and
 # tf.distribute creates mirrored variables with the same initial values.
 step_gradients = _common.step_gradients
+mark_step_made = _common.mark_step_made
 sync_initial_state = _common.sync_initial_state
 chief_only_scope = _common.chief_only_scope
 

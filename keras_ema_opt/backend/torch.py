@@ -403,8 +403,8 @@ class OptimizerHooks:
     def _backend_apply_gradients(self, grads, trainable_variables):
         # What the clipping below needs to decide which gradients it may
         # scale in place (`_clip_gradients`): this step's gradients and
-        # variables, and the mean over the ranks that `step_gradients`
-        # made for it. Holding them until the step ends keeps their ids
+        # variables, and the mean over the ranks that `step_gradients` or
+        # `apply_gradients` made for it (`mark_step_made`). Holding them until the step ends keeps their ids
         # from being reused meanwhile.
         self.__dict__["_keo_clip_context"] = (
             grads, trainable_variables,
@@ -545,17 +545,29 @@ def step_gradients(optimizer, grads):
     """In ``fit()`` (which calls ``optimizer.apply``) and in any step that
     did not come through ``apply_gradients``, the gradients are reduced to
     their mean over the ranks here, the optimizer's aggregation step."""
-    optimizer.__dict__.pop("_keo_step_made", None)
-    if _world_size() == 1 or getattr(optimizer, "_gradients_aggregated",
-                                     False):
+    if getattr(optimizer, "_gradients_aggregated", False):
+        # `apply_gradients` aggregated them and noted what its aggregation
+        # made (`mark_step_made`).
+        return grads
+    if _world_size() == 1:
+        optimizer.__dict__.pop("_keo_step_made", None)
         return grads
     reduced = _all_reduce_mean(grads)
-    if not optimizer.gradient_transformers:
-        # No caller holds the mean: the clipping may scale it in place
-        # (`OptimizerHooks`). A transformer is handed it and may keep it.
-        optimizer.__dict__["_keo_step_made"] = [
-            g for g in reduced if g is not None]
+    mark_step_made(optimizer, reduced)
     return reduced
+
+
+def mark_step_made(optimizer, grads):
+    """Note ``grads``, made by the step itself (the mean over the ranks),
+    for the clipping of the step to come: no caller holds them, so it may
+    scale them in place (``OptimizerHooks``). Not when
+    ``gradient_transformers`` are set: a transformer is handed them and may
+    keep them."""
+    made = [g for g in grads if g is not None]
+    if made and not optimizer.gradient_transformers:
+        optimizer.__dict__["_keo_step_made"] = made
+    else:
+        optimizer.__dict__.pop("_keo_step_made", None)
 
 
 def on_create(optimizer):
