@@ -4,7 +4,7 @@ in an Adam + EMA step, for each of Keras' rules (``clipnorm``,
 float32 tensors of 50,000 elements).
 
     KERAS_BACKEND=torch python -m benchmarks.clipping [--rules ...] [--fit
-        [--accumulate N]]
+        [--accumulate N] [--loss-scale]]
 
 On PyTorch ours clips with torch's multi-tensor kernels (one
 ``_foreach_norm`` and one ``_foreach_mul`` for all the gradients) where
@@ -25,7 +25,10 @@ ours clips in place, where new clipped tensors would be faulted in again
 at each step under glibc's default malloc. With ``--accumulate N`` both
 optimizers take ``gradient_accumulation_steps=N``: the update step clips
 the average Keras' step makes (``(g + acc) / N``), which ours also clips
-in place.
+in place. With ``--loss-scale`` both run inside Keras'
+``LossScaleOptimizer`` (its dynamic scale): the optimizer clips the
+unscaled gradients the loss scaler makes, which ours also clips in
+place.
 """
 
 import argparse
@@ -60,7 +63,7 @@ def _block(values):
         jax.block_until_ready(values)
 
 
-def optimizer(kind, rule, accumulate=None):
+def optimizer(kind, rule, accumulate=None, loss_scale=False):
     import keras
 
     import keras_ema_opt
@@ -69,10 +72,14 @@ def optimizer(kind, rule, accumulate=None):
     if accumulate:
         options["gradient_accumulation_steps"] = accumulate
     if kind == "keras":
-        return keras.optimizers.Adam(LR, use_ema=True,
+        made = keras.optimizers.Adam(LR, use_ema=True,
                                      ema_momentum=MOMENTUM, **options)
-    return keras_ema_opt.Adam(LR, averaging=keras_ema_opt.EMA(MOMENTUM),
-                              **options)
+    else:
+        made = keras_ema_opt.Adam(LR, averaging=keras_ema_opt.EMA(MOMENTUM),
+                                  **options)
+    if loss_scale:
+        return keras.optimizers.LossScaleOptimizer(made)
+    return made
 
 
 def interleaved(fns, sync, warmup=common.WARMUP, repeats=common.REPEATS):
@@ -138,7 +145,7 @@ def measure(rule):
 FIT_KINDS = ("keras", "keras, no clipping", "ours", "ours, no clipping")
 
 
-def measure_fit(rule, rounds=None, accumulate=None):
+def measure_fit(rule, rounds=None, accumulate=None, loss_scale=False):
     """{kind: (median step seconds, minor faults a step)}: the medians over
     the rounds of each run's median step and mean faults
     (``benchmarks.fit``'s clock), ``kind`` from ``FIT_KINDS``."""
@@ -153,20 +160,21 @@ def measure_fit(rule, rounds=None, accumulate=None):
         for kind in FIT_KINDS if r % 2 == 0 else FIT_KINDS[::-1]:
             clock, _ = fit.fit_with(optimizer(
                 kind.split(",")[0], None if "no clipping" in kind else rule,
-                accumulate), x, y)
+                accumulate, loss_scale), x, y)
             runs[kind].append((clock.median_step(), clock.mean_faults()))
     return {kind: (statistics.median(s for s, _ in r),
                    statistics.median(f for _, f in r))
             for kind, r in runs.items()}
 
 
-def run_fit(rules=tuple(RULES), rounds=None, accumulate=None):
+def run_fit(rules=tuple(RULES), rounds=None, accumulate=None,
+            loss_scale=False):
     records = []
     for rule in rules:
-        m = measure_fit(rule, rounds, accumulate)
+        m = measure_fit(rule, rounds, accumulate, loss_scale)
         records.append({
             "bench": "clipping_fit", "backend": BACKEND, "name": rule,
-            "accumulate": accumulate,
+            "accumulate": accumulate, "loss_scale": loss_scale,
             "keras_seconds": m["keras"][0], "seconds": m["ours"][0],
             "keras_unclipped_seconds": m["keras, no clipping"][0],
             "unclipped_seconds": m["ours, no clipping"][0],
@@ -184,7 +192,8 @@ def fit_table(records):
          "ours faults a step", "ours, no clipping, faults a step",
          "Keras / ours"],
         [[r["name"] + (f", accumulating {r['accumulate']}"
-                       if r.get("accumulate") else ""),
+                       if r.get("accumulate") else "")
+          + (", loss-scaled" if r.get("loss_scale") else ""),
           f"{r['keras_seconds'] * 1e3:.2f}",
           f"{r['keras_unclipped_seconds'] * 1e3:.2f}",
           f"{r['keras_faults']:.0f}", f"{r['seconds'] * 1e3:.2f}",
@@ -224,6 +233,8 @@ def main(argv=None):
                         help="time each rule in model.fit (see above)")
     parser.add_argument("--accumulate", type=int, default=None,
                         help="with --fit: gradient_accumulation_steps")
+    parser.add_argument("--loss-scale", action="store_true",
+                        help="with --fit: inside Keras' LossScaleOptimizer")
     args = parser.parse_args(argv)
     rules = common.comma_list(parser, "--rules", args.rules, RULES)
     if args.accumulate is not None and (not args.fit
@@ -231,8 +242,11 @@ def main(argv=None):
         parser.error("--accumulate takes an integer of at least 2, with "
                      f"--fit; received {args.accumulate}"
                      + ("" if args.fit else " without --fit"))
+    if args.loss_scale and not args.fit:
+        parser.error("--loss-scale times model.fit: it goes with --fit")
     if args.fit:
-        print(fit_table(run_fit(rules, accumulate=args.accumulate)))
+        print(fit_table(run_fit(rules, accumulate=args.accumulate,
+                                loss_scale=args.loss_scale)))
     else:
         print(table(run(rules)))
     return 0

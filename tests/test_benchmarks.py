@@ -470,12 +470,15 @@ def test_clipping_benchmark_runs_on_torch():
 
 @pytest.mark.skipif(BACKEND != "torch", reason="in-place clipping of the "
                     "variables' .grad is PyTorch's")
-@pytest.mark.parametrize("accumulate", [None, 2])
-def test_clipping_benchmark_times_fit_on_torch(accumulate):
+@pytest.mark.parametrize("accumulate,loss_scale", [(None, False), (2, False),
+                                                   (None, True)])
+def test_clipping_benchmark_times_fit_on_torch(accumulate, loss_scale):
     """``--fit``: Keras' and our optimizer, with the rule and without it,
     in ``model.fit``; step times and page faults a step; with
-    ``--accumulate``, under gradient accumulation."""
+    ``--accumulate``, under gradient accumulation; with ``--loss-scale``,
+    inside a ``LossScaleOptimizer``."""
     extra = () if accumulate is None else ("--accumulate", str(accumulate))
+    extra += ("--loss-scale",) if loss_scale else ()
     out = run_python("-m", "benchmarks.clipping", "--fit", "--rules",
                      "global_clipnorm", *extra, backend=BACKEND,
                      timeout=300, **SMALL).stdout
@@ -483,6 +486,7 @@ def test_clipping_benchmark_times_fit_on_torch(accumulate):
     assert (record["bench"], record["name"]) == ("clipping_fit",
                                                  "global_clipnorm")
     assert record["accumulate"] == accumulate
+    assert record["loss_scale"] is loss_scale
     for key in ("seconds", "keras_seconds", "unclipped_seconds",
                 "keras_unclipped_seconds"):
         assert record[key] > 0, key
@@ -490,7 +494,8 @@ def test_clipping_benchmark_times_fit_on_torch(accumulate):
         assert record[key] >= 0, key
     assert record["speedup"] == record["keras_seconds"] / record["seconds"]
     label = "global_clipnorm" + (f", accumulating {accumulate}"
-                                 if accumulate else "")
+                                 if accumulate else "") + (
+        ", loss-scaled" if loss_scale else "")
     assert f"| {label} | " in out and "ours faults a step" in out
 
 
@@ -513,6 +518,14 @@ def test_clipping_benchmark_refuses_a_bad_accumulation(argv, capsys):
     err = capsys.readouterr().err
     assert "--accumulate takes an integer of at least 2" in err
     assert "received " + argv[-1] in err
+
+
+def test_clipping_benchmark_refuses_loss_scale_without_fit(capsys):
+    from benchmarks import clipping
+
+    with pytest.raises(SystemExit):
+        clipping.main(["--loss-scale"])
+    assert "--loss-scale times model.fit" in capsys.readouterr().err
 
 
 HLO_MODULE = """HloModule m

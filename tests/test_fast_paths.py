@@ -875,6 +875,99 @@ def test_torch_clips_the_accumulated_average_in_place(clip, monkeypatch):
 
 
 @only_on("torch")
+@pytest.mark.parametrize("clip", _CLIPS)
+def test_torch_clips_loss_scale_unscaled_gradients_in_place(clip,
+                                                           monkeypatch):
+    """Around ours, a ``LossScaleOptimizer`` divides the gradients it is
+    handed by its scale and hands ours the quotients, new tensors that
+    only its step holds: ours clips those in place. The caller's
+    gradients stay as they were, and the steps equal those of Keras' own
+    optimizer in a ``LossScaleOptimizer``. A gradient it passes on as
+    received (a variable that ``overwrite_with_gradient``) is written to
+    its variable before the clipping, and left as it was."""
+    import torch
+
+    from keras_ema_opt.backend import torch as torch_backend
+
+    monkeypatch.syspath_prepend(os.path.join(ROOT, "tests", "scripts"))
+    import distributed_common
+
+    calls = []
+    monkeypatch.setattr(torch_backend, "_CLIP_RULES",
+                        distributed_common.clipping_spies(calls))
+    rng = np.random.default_rng(9)
+    values = [rng.normal(size=s).astype("float32") for s in [(6, 4), (4,)]]
+    steps = [[(rng.normal(size=v.shape) * 300).astype("float32")
+              for v in values] for _ in range(3)]
+    ours_vars = [keras.Variable(v) for v in values]
+    keras_vars = [keras.Variable(v) for v in values]
+    ours = keras.optimizers.LossScaleOptimizer(
+        keras_ema_opt.SGD(0.1, use_ema=True, **clip), initial_scale=8.0)
+    theirs = keras.optimizers.LossScaleOptimizer(
+        keras.optimizers.SGD(0.1, use_ema=True, **clip), initial_scale=8.0)
+    for raw in steps:
+        grads = [torch.tensor(g) for g in raw]
+        with torch.no_grad():
+            ours.apply(grads, ours_vars)
+        theirs.apply([keras.ops.convert_to_tensor(g) for g in raw],
+                     keras_vars)
+        for g, before in zip(grads, raw):
+            np.testing.assert_array_equal(g.numpy(), before)
+    assert calls == [True] * 3
+    for a, b in zip(ours_vars, keras_vars):
+        np.testing.assert_allclose(to_numpy(a), to_numpy(b), rtol=1e-6,
+                                   atol=1e-8)
+    # The quotients are noted only for the step of a loss scaler: ours
+    # called directly afterwards clips the caller's gradients anew.
+    calls.clear()
+    grads = [torch.tensor(g) for g in steps[0]]
+    with torch.no_grad():
+        ours.inner_optimizer.apply(grads, ours_vars)
+    assert calls == [False]
+    for g, before in zip(grads, steps[0]):
+        np.testing.assert_array_equal(g.numpy(), before)
+    # A gradient passed on as received: not clipped, not written.
+    calls.clear()
+    passed = keras.Variable(np.zeros((4,), "float32"))
+    passed.overwrite_with_gradient = True
+    ours = keras.optimizers.LossScaleOptimizer(
+        keras_ema_opt.SGD(0.1, **clip), initial_scale=8.0)
+    grads = [torch.tensor(g) for g in steps[0]] + [torch.ones(4)]
+    with torch.no_grad():
+        ours.apply(grads, [keras.Variable(v) for v in values] + [passed])
+    assert calls == [True]
+    for g, before in zip(grads, steps[0] + [np.ones(4, "float32")]):
+        np.testing.assert_array_equal(g.numpy(), before)
+    np.testing.assert_array_equal(to_numpy(passed), np.ones(4))
+
+
+@only_on("torch")
+@pytest.mark.parametrize("jit_compile", [False, True])
+def test_torch_fit_with_loss_scaling_and_clipping_trains_as_keras(
+        jit_compile):
+    """``fit()`` with a ``LossScaleOptimizer`` around ours and clipping
+    trains as Keras' own optimizer does there, eagerly (where ours clips
+    the unscaled gradients in place) and under ``torch.compile`` (where
+    the clipping is Keras')."""
+    x = np.random.default_rng(0).normal(size=(16, 6)).astype("float32") * 50
+    y = np.random.default_rng(1).normal(size=(16, 3)).astype("float32") * 50
+
+    def fit(optimizer):
+        keras.utils.set_random_seed(0)
+        model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(8),
+                                  keras.layers.Dense(3)])
+        model.compile(optimizer=keras.optimizers.LossScaleOptimizer(
+            optimizer), loss="mse", jit_compile=jit_compile)
+        model.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)
+        return model.get_weights()
+
+    ours = fit(keras_ema_opt.Adam(0.01, global_clipnorm=1.0))
+    theirs = fit(keras.optimizers.Adam(0.01, global_clipnorm=1.0))
+    for a, b in zip(ours, theirs):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
+
+
+@only_on("torch")
 def test_torch_step_made_gradients_sharing_memory_are_not_written():
     """The rule that lets the clipping write a gradient Keras' step made:
     a fresh tensor may be written; an input, a view of an input's memory,

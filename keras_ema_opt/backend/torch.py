@@ -550,11 +550,28 @@ def step_gradients(optimizer, grads):
         # made (`mark_step_made`).
         return grads
     if _world_size() == 1:
-        optimizer.__dict__.pop("_keo_step_made", None)
+        mark_step_made(optimizer, _unscaled(optimizer, grads))
         return grads
     reduced = _all_reduce_mean(grads)
     mark_step_made(optimizer, reduced)
     return reduced
+
+
+def _unscaled(optimizer, grads):
+    """Those of ``grads`` that a ``LossScaleOptimizer`` around
+    ``optimizer`` made from the gradients it was handed (their division by
+    the loss scale: new tensors that only its step holds); none outside
+    such a step. A gradient it passed on as it received it, or one sharing
+    memory with those, is not one of them."""
+    given = optimizer.__dict__.get("_keo_loss_scale_inputs")
+    if not given or _compiling():
+        return []
+    given = [g for g in given if isinstance(g, torch.Tensor)]
+    ids = {id(g) for g in given}
+    storages = {g.untyped_storage().data_ptr() for g in given}
+    return [g for g in grads if isinstance(g, torch.Tensor)
+            and id(g) not in ids
+            and g.untyped_storage().data_ptr() not in storages]
 
 
 def mark_step_made(optimizer, grads):
@@ -588,7 +605,12 @@ def _fix_loss_scale_check():
     with the next step's). Under ``torch.distributed`` the check around
     one of our optimizers is agreed over the ranks (finite only where
     every rank is), as DDP, which all-reduces first, has every rank see
-    the ``inf``. Wrapped once; elsewhere Keras' check runs unchanged."""
+    the ``inf``. Wrapped once; elsewhere Keras' check runs unchanged.
+
+    Its ``apply`` around one of ours also notes the gradients it was
+    handed, so that ours can tell the unscaled gradients it then receives
+    (new tensors of the loss scaler's own) from a caller's, and clip them
+    in place (``_unscaled``)."""
     if _LOSS_SCALE_FIXED:
         return
     _LOSS_SCALE_FIXED.append(True)
@@ -610,6 +632,25 @@ def _fix_loss_scale_check():
         return flag.bool()
 
     cls.check_finite = check_finite
+
+    keras_apply = cls.apply
+
+    @functools.wraps(keras_apply)
+    def apply(self, grads, trainable_variables=None):
+        inner = getattr(self, "inner_optimizer", None)
+        if _compiling() or not isinstance(inner, Optimizer):
+            # Under torch.compile the clipping is Keras' (`_clip_rule`).
+            return keras_apply(self, grads, trainable_variables)
+        # What it was handed: the unscaled gradients it makes from them
+        # and hands to ours are held by no caller (`_unscaled`).
+        grads = list(grads)
+        inner.__dict__["_keo_loss_scale_inputs"] = grads
+        try:
+            return keras_apply(self, grads, trainable_variables)
+        finally:
+            inner.__dict__.pop("_keo_loss_scale_inputs", None)
+
+    cls.apply = apply
 
 
 def sync_initial_state(optimizer, variables):
