@@ -835,13 +835,13 @@ def test_torch_own_grads_that_cannot_be_written_are_clipped_anew(layout):
     np.testing.assert_allclose(to_numpy(b), expected, rtol=1e-6)
 
 
-@only_on("torch")
-@pytest.mark.parametrize("clip", _CLIPS)
-def test_torch_clips_the_accumulated_average_in_place(clip, monkeypatch):
-    """Under gradient accumulation the update step clips the average that
-    Keras' step makes (``(g + acc) / steps``) in place: no caller holds
-    it. The caller's gradients stay as they were, and the steps equal
-    Keras' own optimizer's with the same accumulation and clipping."""
+def _clipping_in_lockstep(monkeypatch, ours, theirs, scale, n_steps):
+    """``n_steps`` steps of ``ours`` (on torch tensors) and ``theirs`` (a
+    Keras optimizer) on the same random gradients (times ``scale``) of two
+    variables, with the torch backend's clipping rules spied: the caller's
+    gradients stay as they were and the weights equal theirs. Returns
+    whether each clipping ran in place, the variables' initial values and
+    the steps' gradients."""
     import torch
 
     from keras_ema_opt.backend import torch as torch_backend
@@ -854,12 +854,10 @@ def test_torch_clips_the_accumulated_average_in_place(clip, monkeypatch):
                         distributed_common.clipping_spies(calls))
     rng = np.random.default_rng(7)
     values = [rng.normal(size=s).astype("float32") for s in [(6, 4), (4,)]]
-    steps = [[(rng.normal(size=v.shape) * 3).astype("float32")
-              for v in values] for _ in range(4)]
+    steps = [[(rng.normal(size=v.shape) * scale).astype("float32")
+              for v in values] for _ in range(n_steps)]
     ours_vars = [keras.Variable(v) for v in values]
     keras_vars = [keras.Variable(v) for v in values]
-    ours = keras_ema_opt.SGD(0.1, gradient_accumulation_steps=2, **clip)
-    theirs = keras.optimizers.SGD(0.1, gradient_accumulation_steps=2, **clip)
     for raw in steps:
         grads = [torch.tensor(g) for g in raw]
         with torch.no_grad():
@@ -868,10 +866,25 @@ def test_torch_clips_the_accumulated_average_in_place(clip, monkeypatch):
                      keras_vars)
         for g, before in zip(grads, raw):
             np.testing.assert_array_equal(g.numpy(), before)
-    assert calls == [True, True]  # the two update steps, in place
     for a, b in zip(ours_vars, keras_vars):
         np.testing.assert_allclose(to_numpy(a), to_numpy(b), rtol=1e-6,
                                    atol=1e-8)
+    return calls, values, steps
+
+
+@only_on("torch")
+@pytest.mark.parametrize("clip", _CLIPS)
+def test_torch_clips_the_accumulated_average_in_place(clip, monkeypatch):
+    """Under gradient accumulation the update step clips the average that
+    Keras' step makes (``(g + acc) / steps``) in place: no caller holds
+    it. The caller's gradients stay as they were, and the steps equal
+    Keras' own optimizer's with the same accumulation and clipping."""
+    calls, _, _ = _clipping_in_lockstep(
+        monkeypatch,
+        keras_ema_opt.SGD(0.1, gradient_accumulation_steps=2, **clip),
+        keras.optimizers.SGD(0.1, gradient_accumulation_steps=2, **clip),
+        scale=3, n_steps=4)
+    assert calls == [True, True]  # the two update steps, in place
 
 
 @only_on("torch")
@@ -887,42 +900,21 @@ def test_torch_clips_loss_scale_unscaled_gradients_in_place(clip,
     its variable before the clipping, and left as it was."""
     import torch
 
-    from keras_ema_opt.backend import torch as torch_backend
-
-    monkeypatch.syspath_prepend(os.path.join(ROOT, "tests", "scripts"))
-    import distributed_common
-
-    calls = []
-    monkeypatch.setattr(torch_backend, "_CLIP_RULES",
-                        distributed_common.clipping_spies(calls))
-    rng = np.random.default_rng(9)
-    values = [rng.normal(size=s).astype("float32") for s in [(6, 4), (4,)]]
-    steps = [[(rng.normal(size=v.shape) * 300).astype("float32")
-              for v in values] for _ in range(3)]
-    ours_vars = [keras.Variable(v) for v in values]
-    keras_vars = [keras.Variable(v) for v in values]
     ours = keras.optimizers.LossScaleOptimizer(
         keras_ema_opt.SGD(0.1, use_ema=True, **clip), initial_scale=8.0)
-    theirs = keras.optimizers.LossScaleOptimizer(
-        keras.optimizers.SGD(0.1, use_ema=True, **clip), initial_scale=8.0)
-    for raw in steps:
-        grads = [torch.tensor(g) for g in raw]
-        with torch.no_grad():
-            ours.apply(grads, ours_vars)
-        theirs.apply([keras.ops.convert_to_tensor(g) for g in raw],
-                     keras_vars)
-        for g, before in zip(grads, raw):
-            np.testing.assert_array_equal(g.numpy(), before)
+    calls, values, steps = _clipping_in_lockstep(
+        monkeypatch, ours, keras.optimizers.LossScaleOptimizer(
+            keras.optimizers.SGD(0.1, use_ema=True, **clip),
+            initial_scale=8.0),
+        scale=300, n_steps=3)
     assert calls == [True] * 3
-    for a, b in zip(ours_vars, keras_vars):
-        np.testing.assert_allclose(to_numpy(a), to_numpy(b), rtol=1e-6,
-                                   atol=1e-8)
     # The quotients are noted only for the step of a loss scaler: ours
     # called directly afterwards clips the caller's gradients anew.
     calls.clear()
     grads = [torch.tensor(g) for g in steps[0]]
     with torch.no_grad():
-        ours.inner_optimizer.apply(grads, ours_vars)
+        ours.inner_optimizer.apply(grads, [keras.Variable(v)
+                                           for v in values])
     assert calls == [False]
     for g, before in zip(grads, steps[0]):
         np.testing.assert_array_equal(g.numpy(), before)
@@ -949,22 +941,25 @@ def test_torch_fit_with_loss_scaling_and_clipping_trains_as_keras(
     trains as Keras' own optimizer does there, eagerly (where ours clips
     the unscaled gradients in place) and under ``torch.compile`` (where
     the clipping is Keras')."""
+    ours = _fit_small(keras.optimizers.LossScaleOptimizer(
+        keras_ema_opt.Adam(0.01, global_clipnorm=1.0)), jit_compile)
+    theirs = _fit_small(keras.optimizers.LossScaleOptimizer(
+        keras.optimizers.Adam(0.01, global_clipnorm=1.0)), jit_compile)
+    for a, b in zip(ours.get_weights(), theirs.get_weights()):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
+
+
+def _fit_small(optimizer, jit_compile=False):
+    """A two-layer model trained by ``optimizer`` for one epoch of two
+    batches whose loss is large (the clipping rules clip)."""
     x = np.random.default_rng(0).normal(size=(16, 6)).astype("float32") * 50
     y = np.random.default_rng(1).normal(size=(16, 3)).astype("float32") * 50
-
-    def fit(optimizer):
-        keras.utils.set_random_seed(0)
-        model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(8),
-                                  keras.layers.Dense(3)])
-        model.compile(optimizer=keras.optimizers.LossScaleOptimizer(
-            optimizer), loss="mse", jit_compile=jit_compile)
-        model.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)
-        return model.get_weights()
-
-    ours = fit(keras_ema_opt.Adam(0.01, global_clipnorm=1.0))
-    theirs = fit(keras.optimizers.Adam(0.01, global_clipnorm=1.0))
-    for a, b in zip(ours, theirs):
-        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(8),
+                              keras.layers.Dense(3)])
+    model.compile(optimizer=optimizer, loss="mse", jit_compile=jit_compile)
+    model.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)
+    return model
 
 
 @only_on("torch")
@@ -1007,15 +1002,8 @@ def test_torch_fit_clips_in_place_and_trains_as_keras(accumulate):
     the step clips new tensors and ``.grad`` keeps its raw values."""
     import torch
 
-    x = np.random.default_rng(0).normal(size=(16, 6)).astype("float32") * 50
-    y = np.random.default_rng(1).normal(size=(16, 3)).astype("float32") * 50
-
     def fit(optimizer):
-        keras.utils.set_random_seed(0)
-        model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(8),
-                                  keras.layers.Dense(3)])
-        model.compile(optimizer=optimizer, loss="mse")
-        model.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)
+        model = _fit_small(optimizer)
         grads = [v.value.grad for v in model.trainable_weights]
         norm = float(torch.linalg.vector_norm(
             torch.stack([torch.linalg.vector_norm(g) for g in grads])))

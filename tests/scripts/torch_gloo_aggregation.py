@@ -39,35 +39,34 @@ def worker(rank, port, outdir):
 
     calls = []
     torch_backend._CLIP_RULES = common.clipping_spies(calls)
-    w = keras.Variable(np.zeros(2, "float32"))
-    opt = keras_ema_opt.SGD(learning_rate=1.0, global_clipnorm=1.0)
-    g = keras.ops.full((2,), float(rank + 1))
-    opt.apply([g], [w])
-    out["clipped"] = keras.ops.convert_to_numpy(w).tolist()
-    out["clipped_input"] = keras.ops.convert_to_numpy(g).tolist()
-    out["clipped_in_place"] = list(calls)
-    # apply_gradients' own aggregation: its mean is held by no caller
-    # either, and is clipped in place.
-    calls.clear()
-    w = keras.Variable(np.zeros(2, "float32"))
-    opt = keras_ema_opt.SGD(learning_rate=1.0, global_clipnorm=1.0)
-    g = keras.ops.full((2,), float(rank + 1))
-    opt.apply_gradients([(g, w)])
-    out["applied"] = keras.ops.convert_to_numpy(w).tolist()
-    out["applied_input"] = keras.ops.convert_to_numpy(g).tolist()
-    out["applied_in_place"] = list(calls)
-    # A mean the caller holds (aggregated by the caller, then applied with
-    # skip_gradients_aggregation) is clipped into new tensors and left as
-    # it was.
-    calls.clear()
-    w = keras.Variable(np.zeros(2, "float32"))
-    opt = keras_ema_opt.SGD(learning_rate=1.0, global_clipnorm=1.0)
-    g = keras.ops.full((2,), float(rank + 1))
-    pairs = opt.aggregate_gradients([(g, w)])
-    opt.apply_gradients(pairs, skip_gradients_aggregation=True)
-    out["held"] = keras.ops.convert_to_numpy(w).tolist()
-    out["held_mean"] = keras.ops.convert_to_numpy(pairs[0][0]).tolist()
-    out["held_in_place"] = list(calls)
+
+    def apply_by_fit(opt, g, w):
+        opt.apply([g], [w])
+
+    def apply_gradients(opt, g, w):
+        opt.apply_gradients([(g, w)])
+
+    def apply_held_mean(opt, g, w):
+        pairs = opt.aggregate_gradients([(g, w)])
+        opt.apply_gradients(pairs, skip_gradients_aggregation=True)
+        out["held_mean"] = keras.ops.convert_to_numpy(pairs[0][0]).tolist()
+
+    # fit()'s path (apply: the step takes the mean itself) and
+    # apply_gradients' own aggregation: the mean is held by no caller, and
+    # is clipped in place. A mean the caller holds (aggregated by the
+    # caller, then applied with skip_gradients_aggregation) is clipped
+    # into new tensors and left as it was.
+    for label, step in (("clipped", apply_by_fit),
+                        ("applied", apply_gradients),
+                        ("held", apply_held_mean)):
+        calls.clear()
+        w = keras.Variable(np.zeros(2, "float32"))
+        opt = keras_ema_opt.SGD(learning_rate=1.0, global_clipnorm=1.0)
+        g = keras.ops.full((2,), float(rank + 1))
+        step(opt, g, w)
+        out[label] = keras.ops.convert_to_numpy(w).tolist()
+        out[label + "_input"] = keras.ops.convert_to_numpy(g).tolist()
+        out[label + "_in_place"] = list(calls)
     with open(os.path.join(outdir, f"rank{rank}.json"), "w") as f:
         json.dump(out, f)
     common.leave_torch_group()
