@@ -840,8 +840,8 @@ def _clipping_in_lockstep(monkeypatch, ours, theirs, scale, n_steps):
     Keras optimizer) on the same random gradients (times ``scale``) of two
     variables, with the torch backend's clipping rules spied: the caller's
     gradients stay as they were and the weights equal theirs. Returns
-    whether each clipping ran in place, the variables' initial values and
-    the steps' gradients."""
+    whether each clipping ran in place, the variables' initial values, the
+    steps' gradients and ``ours``' variables."""
     import torch
 
     from keras_ema_opt.backend import torch as torch_backend
@@ -869,7 +869,7 @@ def _clipping_in_lockstep(monkeypatch, ours, theirs, scale, n_steps):
     for a, b in zip(ours_vars, keras_vars):
         np.testing.assert_allclose(to_numpy(a), to_numpy(b), rtol=1e-6,
                                    atol=1e-8)
-    return calls, values, steps
+    return calls, values, steps, ours_vars
 
 
 @only_on("torch")
@@ -879,7 +879,7 @@ def test_torch_clips_the_accumulated_average_in_place(clip, monkeypatch):
     Keras' step makes (``(g + acc) / steps``) in place: no caller holds
     it. The caller's gradients stay as they were, and the steps equal
     Keras' own optimizer's with the same accumulation and clipping."""
-    calls, _, _ = _clipping_in_lockstep(
+    calls, _, _, _ = _clipping_in_lockstep(
         monkeypatch,
         keras_ema_opt.SGD(0.1, gradient_accumulation_steps=2, **clip),
         keras.optimizers.SGD(0.1, gradient_accumulation_steps=2, **clip),
@@ -902,7 +902,7 @@ def test_torch_clips_loss_scale_unscaled_gradients_in_place(clip,
 
     ours = keras.optimizers.LossScaleOptimizer(
         keras_ema_opt.SGD(0.1, use_ema=True, **clip), initial_scale=8.0)
-    calls, values, steps = _clipping_in_lockstep(
+    calls, values, steps, variables = _clipping_in_lockstep(
         monkeypatch, ours, keras.optimizers.LossScaleOptimizer(
             keras.optimizers.SGD(0.1, use_ema=True, **clip),
             initial_scale=8.0),
@@ -913,8 +913,7 @@ def test_torch_clips_loss_scale_unscaled_gradients_in_place(clip,
     calls.clear()
     grads = [torch.tensor(g) for g in steps[0]]
     with torch.no_grad():
-        ours.inner_optimizer.apply(grads, [keras.Variable(v)
-                                           for v in values])
+        ours.inner_optimizer.apply(grads, variables)
     assert calls == [False]
     for g, before in zip(grads, steps[0]):
         np.testing.assert_array_equal(g.numpy(), before)
