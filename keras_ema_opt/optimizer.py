@@ -975,7 +975,8 @@ class Optimizer(backend.OptimizerHooks, keras.optimizers.Optimizer):
             grads_and_vars = self.aggregate_gradients(grads_and_vars)
             if (self.gradient_aggregator is None
                     and type(self).aggregate_gradients
-                    is Optimizer.aggregate_gradients):
+                    is Optimizer.aggregate_gradients
+                    and "aggregate_gradients" not in vars(self)):
                 # What the backend's own aggregation made (the mean over
                 # the ranks) is held by no caller.
                 ids = {id(g) for g, _ in given}
@@ -1006,20 +1007,25 @@ class Optimizer(backend.OptimizerHooks, keras.optimizers.Optimizer):
                 return self.apply(grads, trainable_variables)
             finally:
                 self.__dict__["_keo_in_step"] = False
-        grads = backend.step_gradients(self, list(grads))
-        grads = backend.prepare_gradients(grads)
-        if self.gradient_transformers:
-            variables = (
-                self._trainable_variables if trainable_variables is None
-                else list(trainable_variables)
-            )
-            pairs = list(zip(grads, variables))
-            for fn in self.gradient_transformers:
-                pairs = list(fn(pairs))
-            grads = [g for g, _ in pairs]
-            if trainable_variables is not None:
-                trainable_variables = [v for _, v in pairs]
-        return super().apply(grads, trainable_variables)
+        try:
+            grads = backend.step_gradients(self, list(grads))
+            grads = backend.prepare_gradients(grads)
+            if self.gradient_transformers:
+                variables = (
+                    self._trainable_variables if trainable_variables is None
+                    else list(trainable_variables)
+                )
+                pairs = list(zip(grads, variables))
+                for fn in self.gradient_transformers:
+                    pairs = list(fn(pairs))
+                grads = [g for g, _ in pairs]
+                if trainable_variables is not None:
+                    trainable_variables = [v for _, v in pairs]
+            return super().apply(grads, trainable_variables)
+        finally:
+            # What the step noted it made (`backend.mark_step_made`) is
+            # this step's only, also when the step raised.
+            self.__dict__.pop("_keo_step_made", None)
 
     # ------------------------------------------------------------------
     # Averages

@@ -933,6 +933,77 @@ def test_torch_clips_loss_scale_unscaled_gradients_in_place(clip,
 
 
 @only_on("torch")
+@pytest.mark.parametrize("where", ["ours", "scaler"])
+def test_torch_subclass_steps_keep_their_unscaled_gradients(where):
+    """A subclass that may keep the gradients between the loss scaler and
+    ours (its own ``apply``, as for logging their norm, or the scaler's
+    step) has them left as they were: clipped into new tensors."""
+    import torch
+
+    kept = []
+
+    class Logging(keras_ema_opt.SGD):
+        def apply(self, grads, trainable_variables=None):
+            kept.extend(grads)
+            return super().apply(grads, trainable_variables)
+
+    class Scaler(keras.optimizers.LossScaleOptimizer):
+        def _stateful_handle_finite_grads(self, grads, trainable_variables):
+            kept.extend(g / self.dynamic_scale for g in grads)
+            self.inner_optimizer.apply(list(kept), trainable_variables)
+
+    inner = (Logging if where == "ours" else keras_ema_opt.SGD)(
+        0.1, global_clipnorm=1.0)
+    scaler = (keras.optimizers.LossScaleOptimizer if where == "ours"
+              else Scaler)(inner, initial_scale=8.0)
+    variables = [keras.Variable(np.zeros((3,), "float32"))]
+    with torch.no_grad():
+        scaler.apply([torch.full((3,), 80.0)], variables)
+    np.testing.assert_array_equal(kept[0].numpy(), np.full((3,), 10.0))
+    np.testing.assert_allclose(to_numpy(variables[0]),
+                               np.full((3,), -0.1 / np.sqrt(3)), rtol=1e-6)
+
+
+@only_on("torch")
+def test_torch_aggregation_replaced_on_the_instance_is_the_callers():
+    """An ``aggregate_gradients`` set on the instance may return tensors
+    its caller keeps: ``apply_gradients`` clips them into new tensors."""
+    import torch
+
+    opt = keras_ema_opt.SGD(0.1, global_clipnorm=1.0)
+    kept = []
+
+    def aggregate(pairs):
+        kept.extend((g * 2.0, v) for g, v in pairs)
+        return list(kept)
+
+    opt.aggregate_gradients = aggregate
+    w = keras.Variable(np.zeros((2,), "float32"))
+    with torch.no_grad():
+        opt.apply_gradients([(torch.full((2,), 5.0), w)])
+    np.testing.assert_array_equal(kept[0][0].numpy(), np.full((2,), 10.0))
+
+
+@only_on("torch")
+def test_torch_a_step_that_raises_leaves_nothing_noted():
+    """What a step noted it made is that step's only: a step that raises
+    (here a variable the optimizer was not built for) leaves nothing for
+    the next one."""
+    import torch
+
+    opt = keras_ema_opt.SGD(0.1, global_clipnorm=1.0)
+    scaler = keras.optimizers.LossScaleOptimizer(opt, initial_scale=8.0)
+    scaler.build([keras.Variable(np.zeros((2,), "float32"))])
+    with pytest.raises(Exception):
+        with torch.no_grad():
+            scaler.apply([torch.ones(2)],
+                         [keras.Variable(np.zeros((2,), "float32"))])
+    assert "_keo_step_made" not in vars(opt)
+    assert "_keo_loss_scale_inputs" not in vars(opt)
+    assert vars(opt).get("_keo_clip_context") is None
+
+
+@only_on("torch")
 @pytest.mark.parametrize("jit_compile", [False, True])
 def test_torch_fit_with_loss_scaling_and_clipping_trains_as_keras(
         jit_compile):

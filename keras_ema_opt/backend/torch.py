@@ -403,12 +403,15 @@ class OptimizerHooks:
     def _backend_apply_gradients(self, grads, trainable_variables):
         # What the clipping below needs to decide which gradients it may
         # scale in place (`_clip_gradients`): this step's gradients and
-        # variables, and the mean over the ranks that `step_gradients` or
-        # `apply_gradients` made for it (`mark_step_made`). Holding them until the step ends keeps their ids
-        # from being reused meanwhile.
+        # variables, the mean over the ranks that `step_gradients` or
+        # `apply_gradients` made for it (`mark_step_made`), and what a
+        # `LossScaleOptimizer` around this one was handed (`_unscaled`).
+        # Holding them until the step ends keeps their ids from being
+        # reused meanwhile.
         self.__dict__["_keo_clip_context"] = (
             grads, trainable_variables,
-            self.__dict__.pop("_keo_step_made", ()))
+            self.__dict__.pop("_keo_step_made", ()),
+            self.__dict__.get("_keo_loss_scale_inputs"))
         try:
             return super()._backend_apply_gradients(grads,
                                                     trainable_variables)
@@ -422,10 +425,10 @@ class OptimizerHooks:
         # Keras', to float32 round-off (the norms sum in another order).
         # Gradients that are all their variables' own `.grad` (`fit()`'s)
         # or made by the step (the mean over the ranks, accumulation's
-        # average) are clipped in place, as `torch.nn.utils.
-        # clip_grad_norm_` does: no new gradient-sized tensors, which
-        # glibc's malloc would fault in afresh at every step. Any other
-        # gradients are left as the caller holds them.
+        # average, a loss scaler's quotients) are clipped in place, as
+        # `torch.nn.utils.clip_grad_norm_` does: no new gradient-sized
+        # tensors, which glibc's malloc would fault in afresh at every
+        # step. Any other gradients are left as the caller holds them.
         present = [g for g in grads if g is not None]
         rule = _clip_rule(self, present)
         if rule is None:
@@ -433,9 +436,10 @@ class OptimizerHooks:
         context = self.__dict__.get("_keo_clip_context")
         in_place = False
         if context is not None:
-            inputs, variables, made = context
+            inputs, variables, made, scaled = context
             owned = _own_gradients(inputs, variables)
             owned.update(id(g) for g in made)
+            owned.update(id(g) for g in _unscaled(scaled, inputs))
             in_place = _writable_in_place(
                 present, owned, inputs,
                 lambda: list(self.variables) + list(variables))
@@ -550,21 +554,20 @@ def step_gradients(optimizer, grads):
         # made (`mark_step_made`).
         return grads
     if _world_size() == 1:
-        mark_step_made(optimizer, _unscaled(optimizer, grads))
+        optimizer.__dict__.pop("_keo_step_made", None)
         return grads
     reduced = _all_reduce_mean(grads)
     mark_step_made(optimizer, reduced)
     return reduced
 
 
-def _unscaled(optimizer, grads):
-    """Those of ``grads`` that a ``LossScaleOptimizer`` around
-    ``optimizer`` made from the gradients it was handed (their division by
-    the loss scale: new tensors that only its step holds); none outside
-    such a step. A gradient it passed on as it received it, or one sharing
+def _unscaled(given, grads):
+    """Those of ``grads`` that a ``LossScaleOptimizer`` made from the
+    gradients ``given`` to it (their division by the loss scale: new
+    tensors that only its step holds); none outside such a step (``given``
+    None). A gradient it passed on as it received it, or one sharing
     memory with those, is not one of them."""
-    given = optimizer.__dict__.get("_keo_loss_scale_inputs")
-    if not given or _compiling():
+    if not given:
         return []
     given = [g for g in given if isinstance(g, torch.Tensor)]
     ids = {id(g) for g in given}
@@ -575,11 +578,11 @@ def _unscaled(optimizer, grads):
 
 
 def mark_step_made(optimizer, grads):
-    """Note ``grads``, made by the step itself (the mean over the ranks),
-    for the clipping of the step to come: no caller holds them, so it may
-    scale them in place (``OptimizerHooks``). Not when
-    ``gradient_transformers`` are set: a transformer is handed them and may
-    keep them."""
+    """Note ``grads``, made by the step itself (the mean over the ranks
+    that ``step_gradients`` or ``apply_gradients`` took), for the clipping
+    of the step to come: no caller holds them, so it may scale them in
+    place (``OptimizerHooks``). Not when ``gradient_transformers`` are
+    set: a transformer is handed them and may keep them."""
     made = [g for g in grads if g is not None]
     if made and not optimizer.gradient_transformers:
         optimizer.__dict__["_keo_step_made"] = made
@@ -591,14 +594,24 @@ def on_create(optimizer):
     """An optimizer made on PyTorch: a ``LossScaleOptimizer`` around one of
     ours then decides finiteness for all ranks (below)."""
     del optimizer
-    _fix_loss_scale_check()
+    _wrap_loss_scale_optimizer()
 
 
-_LOSS_SCALE_FIXED = []
+def _not_overridden(obj, cls, name):
+    """Whether ``obj``'s method ``name`` is ``cls``'s own: neither a
+    subclass nor the instance replaces it."""
+    return (getattr(type(obj), name, None) is getattr(cls, name)
+            and name not in vars(obj))
 
 
-def _fix_loss_scale_check():
-    """Keras' ``LossScaleOptimizer`` checks each rank's own gradients for
+_LOSS_SCALE_WRAPPED = []
+
+
+def _wrap_loss_scale_optimizer():
+    """Wrap two methods of Keras' ``LossScaleOptimizer``, for one of ours
+    inside it.
+
+    Its ``check_finite`` checks each rank's own gradients for
     ``inf``/``nan`` before its inner optimizer (ours) all-reduces them:
     with an overflow on one rank only, that rank skipped the step while
     the others waited in the all-reduce (a hang, or collectives paired
@@ -607,13 +620,15 @@ def _fix_loss_scale_check():
     every rank is), as DDP, which all-reduces first, has every rank see
     the ``inf``. Wrapped once; elsewhere Keras' check runs unchanged.
 
-    Its ``apply`` around one of ours also notes the gradients it was
-    handed, so that ours can tell the unscaled gradients it then receives
-    (new tensors of the loss scaler's own) from a caller's, and clip them
-    in place (``_unscaled``)."""
-    if _LOSS_SCALE_FIXED:
+    Its ``apply`` around one of ours notes the gradients it was handed,
+    so that ours can tell the unscaled gradients it then receives (new
+    tensors of the loss scaler's own) from a caller's, and clip them in
+    place (``_unscaled``); not where a subclass (of the scaler, or of
+    ours) replaces the steps between them, which could keep the
+    quotients."""
+    if _LOSS_SCALE_WRAPPED:
         return
-    _LOSS_SCALE_FIXED.append(True)
+    _LOSS_SCALE_WRAPPED.append(True)
     import keras
 
     from keras_ema_opt.optimizer import Optimizer
@@ -638,8 +653,14 @@ def _fix_loss_scale_check():
     @functools.wraps(keras_apply)
     def apply(self, grads, trainable_variables=None):
         inner = getattr(self, "inner_optimizer", None)
-        if _compiling() or not isinstance(inner, Optimizer):
+        if _compiling() or not (
+                isinstance(inner, Optimizer)
+                and _not_overridden(inner, Optimizer, "apply")
+                and all(_not_overridden(self, cls, name) for name in (
+                    "_common_apply", "_stateful_handle_finite_grads"))):
             # Under torch.compile the clipping is Keras' (`_clip_rule`).
+            # A subclass's step (of the scaler, or of ours) could keep
+            # the quotients.
             return keras_apply(self, grads, trainable_variables)
         # What it was handed: the unscaled gradients it makes from them
         # and hands to ours are held by no caller (`_unscaled`).
