@@ -772,6 +772,40 @@ def test_swa_weights_stay_uniform_in_a_long_run(updates):
     np.testing.assert_allclose(got, 1.0 / updates, rtol=2e-6)
 
 
+@pytest.mark.parametrize("path", ["backend", "engine"])
+def test_ema_of_a_high_decay_does_not_drift_from_its_mean(path,
+                                                          monkeypatch):
+    # In float32, d a + (1 - d) x with the rounded d and 1 - d (which need
+    # not sum to 1) drifts from the mean it tracks, by up to
+    # (d + (1 - d) - 1) / (1 - d) of it: 4e-5 of it on average after 2,000
+    # updates of d = 0.9999, where a + (1 - d) (x - a) stays within 1e-8
+    # (torch's lerp, TF's moving averages). Both the backend's fast path
+    # and the engine's own keras.ops update (JAX's, and any other
+    # backend's for what its fast path leaves).
+    from keras_ema_opt import backend
+
+    if path == "engine":
+        monkeypatch.setattr(backend, "lerp_averages",
+                            lambda pairs, weight, gated=False: pairs)
+    rng = np.random.default_rng(0)
+    values = (1 + 0.01 * rng.standard_normal((2000, 256))).astype("float32")
+    var = keras.Variable(values[0])
+    opt = keras_ema_opt.SGD(learning_rate=0.0,
+                            averaging=keras_ema_opt.EMA(0.9999))
+    opt.build([var])
+    zero = keras.ops.zeros((256,))
+    expected = values[0].astype(np.float64)
+    for value in values[1:]:
+        var.assign(value)
+        opt.apply([zero], [var])
+        expected += 1e-4 * (value.astype(np.float64) - expected)
+    error = (to_numpy(opt.average_of(var)).astype(np.float64) - expected
+             ) / expected
+    assert abs(error.mean()) < 1e-7, error.mean()
+    np.testing.assert_allclose(to_numpy(opt.average_of(var)), expected,
+                               rtol=2e-5)
+
+
 @pytest.mark.parametrize("warmup", [None, "num_updates", "power"])
 @pytest.mark.parametrize("every", [1, 10])
 def test_ema_every_k_steps_keeps_the_per_step_warm_up(warmup, every):

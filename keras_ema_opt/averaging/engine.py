@@ -287,10 +287,18 @@ class Averager:
             dtype = "float32"
         a = ops.cast(slot.value, dtype)
         w = ops.cast(var.value, dtype)
-        # d a + (1 - d) x with the strategy's 1 - d: exact at both ends.
+        # a + (1 - d) (x - a) with the strategy's 1 - d, as torch's `lerp`
+        # computes it: from the nearer end, x - d (x - a) where 1 - d is
+        # at least 1/2, so exact at both ends. Not d a + (1 - d) x: in
+        # float32 the rounded d and 1 - d need not sum to 1, and the
+        # average then drifts from the mean it tracks by up to
+        # (d + (1 - d) - 1) / (1 - d) of it (1.7e-4 at d = 0.9999).
         weight = ops.cast(weight, dtype)
-        d = ops.subtract(ops.cast(1, dtype), weight)
-        mixed = ops.add(ops.multiply(d, a), ops.multiply(weight, w))
+        near_a = ops.less(weight, ops.cast(0.5, dtype))
+        base = ops.where(near_a, a, w)
+        step = ops.where(near_a, weight,
+                         ops.subtract(weight, ops.cast(1, dtype)))
+        mixed = ops.add(base, ops.multiply(step, ops.subtract(w, a)))
         if average is not None:
             mixed = ops.where(copy, w, ops.where(average, mixed, a))
         return ops.cast(mixed, slot.dtype)
