@@ -806,6 +806,48 @@ def test_ema_of_a_high_decay_does_not_drift_from_its_mean(path,
                                rtol=2e-5)
 
 
+def test_debias_correction_keeps_moving_near_one():
+    # The correction c = 1 - prod(d) kept as c stopped moving once
+    # w (1 - c) fell below half its float32 spacing: at 1 - 3e-8 / w
+    # (1 - 3e-6 for d = 0.99, 1 - 3e-4 for 0.9999), so that the debiased
+    # average stayed that far off. Here the average holds 1, as the
+    # weights do (it does not move), and the correction starts at
+    # 1 - 4e-6: after 150 updates of d = 0.99 the debiased average is
+    # 1 / (1 - 4e-6 0.99^150), against the float64 formula.
+    var = keras.Variable(np.ones((4,), "float32"))
+    opt = keras_ema_opt.SGD(learning_rate=0.0, averaging=keras_ema_opt.EMA(
+        0.99, debias=True))
+    opt.build([var])
+    averager = opt._averager
+    averager.slots[0][0].assign(np.ones((4,), "float32"))
+    start = np.float32(1 - 4e-6)
+    averager.debias.assign(start)  # c itself, as a state written before
+    np.testing.assert_allclose(to_numpy(opt.average_of(var)),
+                               np.full(4, 1 / float(start)), rtol=1e-7)
+    rest = 1.0 - float(start)
+    weight = float(np.float32(0.01))
+    for _ in range(150):
+        opt.apply([keras.ops.zeros((4,))], [var])
+        rest *= 1.0 - weight
+    np.testing.assert_allclose(to_numpy(opt.average_of(var)),
+                               np.full(4, 1 / (1 - rest)), rtol=2e-7)
+
+
+def test_debias_correction_reaches_one_exactly():
+    # prod(d) below 2^-30 (here 0.5^200, below float32's range) reads as
+    # a correction of exactly 1, not 0 (which would mean no update yet).
+    var = keras.Variable(np.full((4,), 3.0, "float32"))
+    opt = keras_ema_opt.SGD(learning_rate=0.0, averaging=keras_ema_opt.EMA(
+        0.5, debias=True))
+    for _ in range(200):
+        opt.apply_gradients([(keras.ops.zeros((4,)), var)])
+    assert float(to_numpy(opt._averager._correction(
+        opt._averager.debias.value))) == 1.0
+    var.assign(np.full((4,), 5.0, "float32"))  # not averaged in yet
+    np.testing.assert_array_equal(to_numpy(opt.average_of(var)),
+                                  np.full((4,), 3.0, "float32"))
+
+
 @pytest.mark.parametrize("warmup", [None, "num_updates", "power"])
 @pytest.mark.parametrize("every", [1, 10])
 def test_ema_every_k_steps_keeps_the_per_step_warm_up(warmup, every):

@@ -7,8 +7,9 @@ JAX's stateless steps carry them):
 
 - one average per averaged variable and slot (``<path>_average``);
 - ``averaging_count``: the number of averaging updates made so far;
-- ``averaging_debias``: ``1 - prod(decays)``, the bias correction
-  (``debias=True`` only).
+- ``averaging_debias``: the bias correction ``c = 1 - prod(decays)``
+  (``debias=True`` only), held as ``c`` below 1/2 and as ``-prod(decays)``
+  from there (``_mix_scalar``).
 """
 
 import contextlib
@@ -76,7 +77,8 @@ class Averager:
             (), dtype="int", initializer="zeros", name="averaging_count"
         )
         if strategy.debias:
-            # c = 1 - prod(decays): 0 at the zero start.
+            # The correction c = 1 - prod(decays): 0 at the zero start
+            # (kept as `_mix_scalar` says).
             self.debias = optimizer.add_variable(
                 (), dtype="float32", initializer="zeros",
                 name="averaging_debias",
@@ -304,16 +306,35 @@ class Averager:
         return ops.cast(mixed, slot.dtype)
 
     def _mix_scalar(self, weight, average, copy):
-        # The debias state is c = 1 - prod(d), kept as such: updating
-        # c <- (1 - d) + d * c stays accurate where prod(d) is close to 1
-        # (1 - prod would cancel catastrophically in float32).
-        c = self.debias.value
+        # The debias state s holds the correction c = 1 - prod(d) as c
+        # itself while c < 1/2, and as -(1 - c) = -prod(d) from there on:
+        # each form keeps the digits that count. c <- c + w (1 - c) near 0
+        # (1 - prod(d) would cancel catastrophically in float32); 1 - c <-
+        # (1 - c) - w (1 - c) near 1, where c itself would stop moving
+        # once w (1 - c) is below half its spacing (c stalled at 1 - 3e-8
+        # / w: 1 - 3e-4 for d = 0.9999, the debiased average 3e-4 off).
+        # 1 (an exact copy, or a product below 2^-30) is kept as 1. A state
+        # written before this form (c in [0, 1]) reads the same.
+        s = self.debias.value
         weight = ops.cast(weight, "float32")
-        updated = ops.add(weight, ops.multiply(ops.subtract(1.0, weight), c))
+        one = ops.cast(1.0, "float32")
+        rest = ops.where(ops.less(s, 0.0), ops.negative(s),
+                         ops.subtract(one, s))  # prod(d): 1 - c
+        rest = ops.subtract(rest, ops.multiply(weight, rest))
+        c = ops.add(s, ops.multiply(weight, ops.subtract(one, s)))
+        updated = ops.where(
+            ops.logical_and(ops.greater_equal(s, 0.0), ops.less(c, 0.5)), c,
+            ops.where(ops.less(rest, 2.0 ** -30), one, ops.negative(rest)))
         if average is None:
             return updated
         # A copy is an unbiased start: its correction is 1 / 1.
-        return ops.where(copy, 1.0, ops.where(average, updated, c))
+        return ops.where(copy, one, ops.where(average, updated, s))
+
+    @staticmethod
+    def _correction(s):
+        """The correction ``c = 1 - prod(d)`` that the debias state ``s``
+        holds (``_mix_scalar``)."""
+        return ops.where(ops.less(s, 0.0), ops.add(1.0, s), s)
 
     # -- reading -------------------------------------------------------------
 
@@ -336,7 +357,7 @@ class Averager:
         if self.debias is not None:
             # Before the first averaging update there is nothing to correct
             # (c = 0): the average is the weights themselves.
-            c = ops.cast(self.debias.value, value.dtype)
+            c = ops.cast(self._correction(self.debias.value), value.dtype)
             safe = ops.where(ops.greater(c, 0), c, ops.ones_like(c))
             value = ops.where(ops.greater(c, 0), ops.divide(value, safe),
                               ops.cast(self.variables[i].value, value.dtype))
