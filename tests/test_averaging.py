@@ -806,6 +806,28 @@ def test_ema_of_a_high_decay_does_not_drift_from_its_mean(path,
                                rtol=2e-5)
 
 
+@pytest.mark.parametrize("momentum", [0.0, 1.0])
+def test_engine_update_copies_and_keeps_non_finite_values(momentum,
+                                                          monkeypatch):
+    # EMA(0) copies the weights and EMA(1) keeps the average, exactly,
+    # infinite or huge values included (the engine's keras.ops update:
+    # 0 (x - a) would be NaN where x - a is infinite).
+    from keras_ema_opt import backend
+
+    monkeypatch.setattr(backend, "lerp_averages",
+                        lambda pairs, weight, gated=False: pairs)
+    start = np.array([0.0, 1.0, -1.0, -3e38, np.inf], "float32")
+    var = keras.Variable(start)
+    opt = keras_ema_opt.SGD(learning_rate=0.0,
+                            averaging=keras_ema_opt.EMA(momentum))
+    opt.build([var])
+    new = np.array([np.inf, -np.inf, np.inf, 3e38, 2.0], "float32")
+    var.assign(new)
+    opt.apply([keras.ops.zeros((5,))], [var])
+    np.testing.assert_array_equal(to_numpy(opt.average_of(var)),
+                                  new if momentum == 0.0 else start)
+
+
 def test_debias_correction_keeps_moving_near_one():
     # The correction c = 1 - prod(d) kept as c stopped moving once
     # w (1 - c) fell below half its float32 spacing: at 1 - 3e-8 / w

@@ -295,12 +295,16 @@ class Averager:
         # float32 the rounded d and 1 - d need not sum to 1, and the
         # average then drifts from the mean it tracks by up to
         # (d + (1 - d) - 1) / (1 - d) of it (1.7e-4 at d = 0.9999).
+        # A weight of exactly 1 or 0 copies or keeps whatever the values
+        # (0 (x - a) is NaN where x - a is infinite).
         weight = ops.cast(weight, dtype)
+        one = ops.cast(1, dtype)
         near_a = ops.less(weight, ops.cast(0.5, dtype))
         base = ops.where(near_a, a, w)
-        step = ops.where(near_a, weight,
-                         ops.subtract(weight, ops.cast(1, dtype)))
+        step = ops.where(near_a, weight, ops.subtract(weight, one))
         mixed = ops.add(base, ops.multiply(step, ops.subtract(w, a)))
+        mixed = ops.where(ops.equal(weight, one), w,
+                          ops.where(ops.equal(weight, 0), a, mixed))
         if average is not None:
             mixed = ops.where(copy, w, ops.where(average, mixed, a))
         return ops.cast(mixed, slot.dtype)

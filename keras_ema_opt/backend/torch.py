@@ -700,9 +700,9 @@ def lerp_averages(pairs, weight, gated=False):
     """``a <- a + weight (x - a)`` as one ``torch._foreach_lerp_`` per
     device and dtype (one pass, no temporary; as torch's ``AveragedModel``
     and timm do), with ``weight`` a 0-dim tensor (no host sync). torch's
-    lerp is exact at the ends: weight 1 copies, 0 keeps. Pairs whose
-    average has another dtype than its variable (``average_dtype``) are
-    returned, for the engine's own update."""
+    lerp is exact at the ends for finite values: weight 1 copies, 0
+    keeps. Pairs whose average has another dtype than its variable
+    (``average_dtype``) are returned, for the engine's own update."""
     del gated  # torch's lerp is exact at both ends
     groups = {}
     rest = []
