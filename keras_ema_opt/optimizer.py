@@ -215,6 +215,13 @@ def _variable_names(variable):
     return name.rsplit("/", 1)[-1].split(":")[0], name
 
 
+def not_overridden(obj, cls, name):
+    """Whether ``obj``'s method ``name`` is ``cls``'s own: neither a
+    subclass nor the instance replaces it."""
+    return (getattr(type(obj), name, None) is getattr(cls, name)
+            and name not in vars(obj))
+
+
 def _filter_empty_gradients(grads_and_vars):
     """Keras 2's handling of ``None`` gradients: those pairs are dropped
     with a warning naming their variables; all ``None`` is an error.
@@ -973,10 +980,8 @@ class Optimizer(backend.OptimizerHooks, keras.optimizers.Optimizer):
         if aggregate and not skip_gradients_aggregation:
             given = grads_and_vars
             grads_and_vars = self.aggregate_gradients(grads_and_vars)
-            if (self.gradient_aggregator is None
-                    and type(self).aggregate_gradients
-                    is Optimizer.aggregate_gradients
-                    and "aggregate_gradients" not in vars(self)):
+            if self.gradient_aggregator is None and not_overridden(
+                    self, Optimizer, "aggregate_gradients"):
                 # What the backend's own aggregation made (the mean over
                 # the ranks) is held by no caller.
                 ids = {id(g) for g, _ in given}
@@ -1025,7 +1030,7 @@ class Optimizer(backend.OptimizerHooks, keras.optimizers.Optimizer):
         finally:
             # What the step noted it made (`backend.mark_step_made`) is
             # this step's only, also when the step raised.
-            self.__dict__.pop("_keo_step_made", None)
+            backend.mark_step_made(self, ())
 
     # ------------------------------------------------------------------
     # Averages

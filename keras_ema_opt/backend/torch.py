@@ -549,12 +549,11 @@ def step_gradients(optimizer, grads):
     """In ``fit()`` (which calls ``optimizer.apply``) and in any step that
     did not come through ``apply_gradients``, the gradients are reduced to
     their mean over the ranks here, the optimizer's aggregation step."""
-    if getattr(optimizer, "_gradients_aggregated", False):
-        # `apply_gradients` aggregated them and noted what its aggregation
-        # made (`mark_step_made`).
-        return grads
-    if _world_size() == 1:
-        optimizer.__dict__.pop("_keo_step_made", None)
+    if getattr(optimizer, "_gradients_aggregated", False) or (
+            _world_size() == 1):
+        # Nothing to reduce: one process, or `apply_gradients` aggregated
+        # them and noted what its aggregation made (`mark_step_made`;
+        # `Optimizer.apply` drops the note when the step ends).
         return grads
     reduced = _all_reduce_mean(grads)
     mark_step_made(optimizer, reduced)
@@ -597,13 +596,6 @@ def on_create(optimizer):
     _wrap_loss_scale_optimizer()
 
 
-def _not_overridden(obj, cls, name):
-    """Whether ``obj``'s method ``name`` is ``cls``'s own: neither a
-    subclass nor the instance replaces it."""
-    return (getattr(type(obj), name, None) is getattr(cls, name)
-            and name not in vars(obj))
-
-
 _LOSS_SCALE_WRAPPED = []
 
 
@@ -632,6 +624,7 @@ def _wrap_loss_scale_optimizer():
     import keras
 
     from keras_ema_opt.optimizer import Optimizer
+    from keras_ema_opt.optimizer import not_overridden
 
     cls = keras.optimizers.LossScaleOptimizer
     keras_check = cls.check_finite
@@ -655,8 +648,8 @@ def _wrap_loss_scale_optimizer():
         inner = getattr(self, "inner_optimizer", None)
         if _compiling() or not (
                 isinstance(inner, Optimizer)
-                and _not_overridden(inner, Optimizer, "apply")
-                and all(_not_overridden(self, cls, name) for name in (
+                and not_overridden(inner, Optimizer, "apply")
+                and all(not_overridden(self, cls, name) for name in (
                     "_common_apply", "_stateful_handle_finite_grads"))):
             # Under torch.compile the clipping is Keras' (`_clip_rule`).
             # A subclass's step (of the scaler, or of ours) could keep
