@@ -594,7 +594,8 @@ def test_overwrite_frequency_writes_debiased_averages():
                             ema_overwrite_frequency=2)
     opt.apply_gradients([(keras.ops.ones((1,)), w)])  # w 3; a 1.5, c 0.5
     opt.apply_gradients([(keras.ops.ones((1,)), w)])  # w 2; a 1.75, c 0.75
-    # (0.5 * 1.5 + 0.5 * 2) / 0.75, written into w at step 2
+    # (0.5 * 1.5 + 0.5 * 2) / 0.75, written into w at step 2 (held as
+    # b = 3, then 3 + (0.5 / 0.75)(2 - 3): the same 7/3)
     np.testing.assert_allclose(to_numpy(w), [1.75 / 0.75], rtol=1e-6)
 
 
@@ -855,6 +856,43 @@ def test_debias_correction_keeps_moving_near_one():
                                np.full(4, 1 / (1 - rest)), rtol=2e-7)
 
 
+def test_debiased_average_holds_weights_that_never_move():
+    # The zero-started average a <- a + w (x - a) stalls short of a constant
+    # x in float32 once w (x - a) is below half its spacing (about 3e-8 / w
+    # of x), and a / c stays that far off however exact c is. The debiased
+    # average held itself starts as a copy (w / c = 1) and stays exact.
+    x = (1 + np.random.default_rng(0).random(64)).astype("float32")
+    var = keras.Variable(x)
+    opt = keras_ema_opt.SGD(learning_rate=0.0, averaging=keras_ema_opt.EMA(
+        0.9, debias=True))
+    for _ in range(300):
+        opt.apply([keras.ops.zeros((64,))], [var])
+    np.testing.assert_array_equal(to_numpy(opt.average_of(var)), x)
+
+
+def test_debiased_average_of_moving_weights_equals_its_formula():
+    # b <- b + (w / c) (x - b), c = 1 - d^t after the update, against the
+    # float64 formula a / (1 - d^t) of the zero-started average (optax's
+    # debiased ema; tests/test_averaging_peers.py runs optax beside it):
+    # float32 round-off per element, and no bias over them (a / c read
+    # from the zero-started a was 6e-8 low on average here).
+    rng = np.random.default_rng(1)
+    d = 0.99
+    var = keras.Variable(np.zeros((1000,), "float32"))
+    opt = keras_ema_opt.SGD(learning_rate=0.0, averaging=keras_ema_opt.EMA(
+        d, debias=True))
+    a = np.zeros((1000,))
+    for _ in range(400):
+        x = (1 + 0.01 * rng.standard_normal(1000)).astype("float32")
+        var.assign(x)
+        opt.apply([keras.ops.zeros((1000,))], [var])
+        a = d * a + (1 - d) * x.astype("float64")
+    error = to_numpy(opt.average_of(var)).astype("float64") / (
+        a / (1 - d ** 400)) - 1
+    assert np.abs(error).max() < 1.5e-6
+    assert abs(error.mean()) < 2e-8
+
+
 def test_debias_correction_reaches_one_exactly():
     # prod(d) below 2^-30 (here 0.5^200, below float32's range) reads as
     # a correction of exactly 1, not 0 (which would mean no update yet).
@@ -863,8 +901,10 @@ def test_debias_correction_reaches_one_exactly():
         0.5, debias=True))
     for _ in range(200):
         opt.apply_gradients([(keras.ops.zeros((4,)), var)])
-    assert float(to_numpy(opt._averager._correction(
-        opt._averager.debias.value))) == 1.0
+    averager = opt._averager
+    state, old = averager._debias_terms(averager.debias.value)
+    assert not bool(to_numpy(old))  # the held form (_debias_step)
+    assert float(to_numpy(averager._correction(state))) == 1.0
     var.assign(np.full((4,), 5.0, "float32"))  # not averaged in yet
     np.testing.assert_array_equal(to_numpy(opt.average_of(var)),
                                   np.full((4,), 3.0, "float32"))

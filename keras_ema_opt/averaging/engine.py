@@ -9,7 +9,9 @@ JAX's stateless steps carry them):
 - ``averaging_count``: the number of averaging updates made so far;
 - ``averaging_debias``: the bias correction ``c = 1 - prod(decays)``
   (``debias=True`` only), held as ``c`` below 1/2 and as ``-prod(decays)``
-  from there (``_mix_scalar``).
+  from there, times ``2**64`` (``_debias_step``). The averages of a
+  debiased EMA hold the debiased average itself (a state of before,
+  ``|s| <= 1``, holds the zero-started one and reads ``a / c``).
 """
 
 import contextlib
@@ -77,8 +79,8 @@ class Averager:
             (), dtype="int", initializer="zeros", name="averaging_count"
         )
         if strategy.debias:
-            # The correction c = 1 - prod(decays): 0 at the zero start
-            # (kept as `_mix_scalar` says).
+            # The correction c = 1 - prod(decays): 0 before the first
+            # update (kept as `_debias_step` says).
             self.debias = optimizer.add_variable(
                 (), dtype="float32", initializer="zeros",
                 name="averaging_debias",
@@ -177,9 +179,11 @@ class Averager:
                 for i in range(self.first_extra or 0, len(self.variables))]
 
     def _plan(self, optimizer, applied=None):
-        """(average, copy, weights) of this step: the gates (``None`` when
-        every step averages) and one weight ``w = 1 - d`` per slot (formed
-        by the strategy without the cancellation of ``1 - d``)."""
+        """(average, copy, weights, debias) of this step: the gates
+        (``None`` when every step averages), one weight ``w = 1 - d`` per
+        slot (formed by the strategy without the cancellation of ``1 - d``;
+        ``w / c`` for a debiased average) and the debias state after it
+        (``None`` without)."""
         strategy = self.strategy
         t, real = self._step(optimizer, applied)
         plain = real is None and strategy.start_step == 0 and (
@@ -197,8 +201,11 @@ class Averager:
                 average = ops.logical_and(average, real)
                 copy = ops.logical_and(copy, real)
         n = ops.cast(self.count.value, "int32") + 1
-        return average, copy, [ops.cast(w, "float32")
-                               for w in strategy.weights(n, t)]
+        weights = [ops.cast(w, "float32") for w in strategy.weights(n, t)]
+        debias = None
+        if self.debias is not None:
+            debias, weights[0] = self._debias_step(weights[0], average, copy)
+        return average, copy, weights, debias
 
     def fold_weights(self, optimizer):
         """For a backend update step that averages the variables itself,
@@ -206,7 +213,7 @@ class Averager:
         ``a <- a + w (x - a)`` per slot, for this step. The step then calls
         :meth:`folded` with the variables it averaged, and :meth:`update`
         leaves those to it (and still moves the counters)."""
-        self._fold_plan = average, copy, weights = self._plan(optimizer)
+        self._fold_plan = average, copy, weights, _ = self._plan(optimizer)
         return [self._weight(w, average, copy) for w in weights]
 
     def folded(self, variables):
@@ -236,7 +243,7 @@ class Averager:
         plan, self._fold_plan = self._fold_plan, None
         if not folded or applied is not None or plan is None:
             plan = self._plan(optimizer, applied)
-        average, copy, weights = plan
+        average, copy, weights, debias = plan
         targets = [target for target in self._targets(optimizer, extras_only)
                    if id(target[1]) not in folded]
         # Nothing left to mix when the update averaged every variable.
@@ -253,7 +260,7 @@ class Averager:
         step = ops.cast(average if average is not None else True, "int32")
         self.count.assign(self.count.value + ops.cast(step, self.count.dtype))
         if self.debias is not None:
-            self.debias.assign(self._mix_scalar(weights[0], average, copy))
+            self.debias.assign(debias)
 
     def _warn_unseen(self, optimizer, var):
         # JAX's fit() step updates these right after (backend.attach_model);
@@ -309,36 +316,68 @@ class Averager:
             mixed = ops.where(copy, w, ops.where(average, mixed, a))
         return ops.cast(mixed, slot.dtype)
 
-    def _mix_scalar(self, weight, average, copy):
-        # The debias state s holds the correction c = 1 - prod(d) as c
-        # itself while c < 1/2, and as -(1 - c) = -prod(d) from there on:
-        # each form keeps the digits that count. c <- c + w (1 - c) near 0
-        # (1 - prod(d) would cancel catastrophically in float32); 1 - c <-
-        # (1 - c) - w (1 - c) near 1, where c itself would stop moving
-        # once w (1 - c) is below half its spacing (c stalled at 1 - 3e-8
-        # / w: 1 - 3e-4 for d = 0.9999, the debiased average 3e-4 off).
-        # 1 (an exact copy, or a product below 2^-30) is kept as 1. A state
-        # written before this form (c in [0, 1]) reads the same.
+    def _debias_step(self, weight, average, copy):
+        """(state, weight): the debias state after this step, and the
+        weight of the average's update in it.
+
+        The state ``s`` holds the correction ``c = 1 - prod(d)`` as ``c``
+        itself while ``c < 1/2``, and as ``-(1 - c) = -prod(d)`` from there
+        on: each form keeps the digits that count. ``c <- c + w (1 - c)``
+        near 0 (``1 - prod(d)`` would cancel catastrophically in float32);
+        ``1 - c <- (1 - c) - w (1 - c)`` near 1, where ``c`` itself would
+        stop moving once ``w (1 - c)`` is below half its spacing (``c``
+        stalled at ``1 - 3e-8 / w``: ``1 - 3e-4`` for ``d = 0.9999``). 1
+        (an exact copy, or a product below ``2**-30``) is kept as 1.
+
+        The average holds the debiased average ``b = a / c`` itself, moved
+        by ``b <- b + (w / c') (x - b)`` with the new correction ``c'``
+        (``a' = a + w (x - a)`` divided by ``c' = c + w (1 - c)``): the
+        first update copies (``w / c' = 1``), and weights that do not move
+        are held exactly, where the zero-started ``a`` stalls short of them
+        in float32 by about ``3e-8 / w`` of them. This form is stored times
+        ``2**64`` (exact: a power of 2), ``|s| > 1``; a state written before
+        it (``0 < |s| <= 1``) holds the zero-started ``a``, keeps its form
+        and weight ``w``, and is read as ``a / c``. ``s = 0`` (no update
+        yet: the average holds zeros) and ``c = 1`` (``a = b``) read alike
+        in both.
+        """
         s = self.debias.value
+        r, old = self._debias_terms(s)
         weight = ops.cast(weight, "float32")
         one = ops.cast(1.0, "float32")
-        rest = ops.where(ops.less(s, 0.0), ops.negative(s),
-                         ops.subtract(one, s))  # prod(d): 1 - c
+        held = ops.cast(2.0 ** 64, "float32")
+        rest = ops.where(ops.less(r, 0.0), ops.negative(r),
+                         ops.subtract(one, r))  # prod(d): 1 - c
         rest = ops.subtract(rest, ops.multiply(weight, rest))
-        c = ops.add(s, ops.multiply(weight, ops.subtract(one, s)))
+        c = ops.add(r, ops.multiply(weight, ops.subtract(one, r)))
         updated = ops.where(
-            ops.logical_and(ops.greater_equal(s, 0.0), ops.less(c, 0.5)), c,
+            ops.logical_and(ops.greater_equal(r, 0.0), ops.less(c, 0.5)), c,
             ops.where(ops.less(rest, 2.0 ** -30), one, ops.negative(rest)))
-        if average is None:
-            return updated
-        # A copy is an unbiased start: its correction is 1 / 1.
-        return ops.where(copy, one, ops.where(average, updated, s))
+        c = self._correction(updated)
+        started = ops.greater(c, 0.0)
+        weight = ops.where(
+            ops.logical_or(old, ops.logical_not(started)), weight,
+            ops.divide(weight, ops.where(started, c, one)))
+        updated = ops.multiply(updated, ops.where(old, one, held))
+        if average is not None:
+            # A copy is an unbiased start: its correction is 1 / 1.
+            updated = ops.where(copy, held, ops.where(average, updated, s))
+        return updated, weight
 
     @staticmethod
-    def _correction(s):
-        """The correction ``c = 1 - prod(d)`` that the debias state ``s``
-        holds (``_mix_scalar``)."""
-        return ops.where(ops.less(s, 0.0), ops.add(1.0, s), s)
+    def _debias_terms(s):
+        """(r, old): the debias state ``s`` in the units of ``c`` (``c``
+        or ``-prod(d)``), and whether it is a state of before the held
+        form (``_debias_step``)."""
+        big = ops.greater(ops.abs(s), 1.0)
+        old = ops.logical_and(ops.logical_not(big), ops.not_equal(s, 0.0))
+        return ops.where(big, ops.multiply(s, 2.0 ** -64), s), old
+
+    @staticmethod
+    def _correction(r):
+        """The correction ``c = 1 - prod(d)`` that ``r`` (the debias state
+        in its units: ``_debias_terms``) holds."""
+        return ops.where(ops.less(r, 0.0), ops.add(1.0, r), r)
 
     # -- reading -------------------------------------------------------------
 
@@ -359,11 +398,15 @@ class Averager:
             return None
         value = slots[slot].value
         if self.debias is not None:
-            # Before the first averaging update there is nothing to correct
-            # (c = 0): the average is the weights themselves.
-            c = ops.cast(self._correction(self.debias.value), value.dtype)
-            safe = ops.where(ops.greater(c, 0), c, ops.ones_like(c))
-            value = ops.where(ops.greater(c, 0), ops.divide(value, safe),
+            # Before the first averaging update (c = 0) the average is the
+            # weights themselves; a state of before the held form reads
+            # a / c (`_debias_step`).
+            r, old = self._debias_terms(self.debias.value)
+            c = ops.cast(self._correction(r), value.dtype)
+            started = ops.greater(c, 0)
+            safe = ops.where(ops.logical_and(old, started), c,
+                             ops.ones_like(c))
+            value = ops.where(started, ops.divide(value, safe),
                               ops.cast(self.variables[i].value, value.dtype))
         return value
 

@@ -212,8 +212,11 @@ class EMA(Averaging):
     warm-up's ``d`` at ``n k``, to the power ``k``). ema-pytorch's
     ``update_every`` uses ``d`` once per update instead, a time constant
     ``k`` times longer.
-    ``debias=True`` starts from zeros and reads ``a / (1 - prod(d))`` (optax
-    ``ema(debias=True)``; Adam's bias correction).
+    ``debias=True`` gives the zero-started average divided by its bias
+    correction, ``a / (1 - prod(d))`` (optax ``ema(debias=True)``; Adam's
+    bias correction), held as that quotient itself, ``b <- b + (w / c)
+    (x - b)`` with ``c = 1 - prod(d)`` after the update: the first update
+    copies the weights, and weights that never move are held exactly.
 
     Args:
         momentum: Decay in ``[0, 1]`` (the ceiling with a warm-up).
