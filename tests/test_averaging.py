@@ -893,6 +893,28 @@ def test_debiased_average_of_moving_weights_equals_its_formula():
     assert abs(error.mean()) < 2e-8
 
 
+@pytest.mark.parametrize("case", ["tiny_weight", "float16_average"])
+def test_debiased_average_of_extreme_weights(case):
+    # A first weight of 1e-24 (a correction far below 2**-64) still marks
+    # the held form of the state (read as an old state, it was b / c:
+    # 1e5 here); a correction below float16's range is still one above
+    # zero for a float16 average (it read the weights: 3, not 2.5).
+    var = keras.Variable(np.array([2.0, 2.0], "float32"))
+    if case == "tiny_weight":
+        strategy = keras_ema_opt.EMA(1.0, warmup="power", inv_gamma=1e-6,
+                                     power=4.0, debias=True)
+        step, means = 0.0, [2.0, 2.0, 2.0]
+    else:
+        strategy = keras_ema_opt.EMA(1 - 1e-8, debias=True,
+                                     average_dtype="float16")
+        step, means = -1.0, [3.0, 3.5, 4.0]
+    opt = keras_ema_opt.SGD(learning_rate=1.0, averaging=strategy)
+    for mean in means:
+        opt.apply([keras.ops.full((2,), step)], [var])
+        np.testing.assert_allclose(to_numpy(opt.average_of(var)), [mean] * 2,
+                                   rtol=1e-3)
+
+
 def test_debias_correction_reaches_one_exactly():
     # prod(d) below 2^-30 (here 0.5^200, below float32's range) reads as
     # a correction of exactly 1, not 0 (which would mean no update yet).

@@ -9,7 +9,7 @@ JAX's stateless steps carry them):
 - ``averaging_count``: the number of averaging updates made so far;
 - ``averaging_debias``: the bias correction ``c = 1 - prod(decays)``
   (``debias=True`` only), held as ``c`` below 1/2 and as ``-prod(decays)``
-  from there, times ``2**64`` (``_debias_step``). The averages of a
+  from there, times ``2**126`` (``_debias_step``). The averages of a
   debiased EMA hold the debiased average itself (a state of before,
   ``|s| <= 1``, holds the zero-started one and reads ``a / c``).
 """
@@ -335,17 +335,20 @@ class Averager:
         first update copies (``w / c' = 1``), and weights that do not move
         are held exactly, where the zero-started ``a`` stalls short of them
         in float32 by about ``3e-8 / w`` of them. This form is stored times
-        ``2**64`` (exact: a power of 2), ``|s| > 1``; a state written before
-        it (``0 < |s| <= 1``) holds the zero-started ``a``, keeps its form
-        and weight ``w``, and is read as ``a / c``. ``s = 0`` (no update
-        yet: the average holds zeros) and ``c = 1`` (``a = b``) read alike
-        in both.
+        ``2**126`` (exact: a power of 2; its inverse is float32's smallest
+        normal number, which no flush of subnormals to 0 touches), so
+        ``|s| >= 2`` (a weight below ``2**-125`` counts as 0 there);
+        a state written before it (``0 < |s| <= 1``) holds the zero-started
+        ``a``, keeps its form and weight ``w``, and is read as ``a / c``.
+        ``s = 0`` (no update yet: the average holds zeros) and ``c = 1``
+        (``a = b``) read alike in both.
         """
         s = self.debias.value
         r, old = self._debias_terms(s)
         weight = ops.cast(weight, "float32")
+        weight = ops.where(ops.less(weight, 2.0 ** -125), 0.0, weight)
         one = ops.cast(1.0, "float32")
-        held = ops.cast(2.0 ** 64, "float32")
+        held = ops.cast(2.0 ** 126, "float32")
         rest = ops.where(ops.less(r, 0.0), ops.negative(r),
                          ops.subtract(one, r))  # prod(d): 1 - c
         rest = ops.subtract(rest, ops.multiply(weight, rest))
@@ -371,7 +374,9 @@ class Averager:
         form (``_debias_step``)."""
         big = ops.greater(ops.abs(s), 1.0)
         old = ops.logical_and(ops.logical_not(big), ops.not_equal(s, 0.0))
-        return ops.where(big, ops.multiply(s, 2.0 ** -64), s), old
+        # Not 2**127: XLA makes a division by it a product with 2**-127, a
+        # subnormal number, which XLA and TensorFlow may flush to 0.
+        return ops.where(big, ops.multiply(s, 2.0 ** -126), s), old
 
     @staticmethod
     def _correction(r):
@@ -401,13 +406,18 @@ class Averager:
             # Before the first averaging update (c = 0) the average is the
             # weights themselves; a state of before the held form reads
             # a / c (`_debias_step`).
+            # Tested in float32 and divided in at least float32: a small c
+            # is 0 in float16.
             r, old = self._debias_terms(self.debias.value)
-            c = ops.cast(self._correction(r), value.dtype)
-            started = ops.greater(c, 0)
-            safe = ops.where(ops.logical_and(old, started), c,
-                             ops.ones_like(c))
-            value = ops.where(started, ops.divide(value, safe),
-                              ops.cast(self.variables[i].value, value.dtype))
+            c = self._correction(r)
+            started = ops.greater(c, 0.0)
+            dtype = value.dtype
+            work = "float32" if dtype in ("float16", "bfloat16") else dtype
+            safe = ops.cast(ops.where(ops.logical_and(old, started), c, 1.0),
+                            work)
+            quotient = ops.divide(ops.cast(value, work), safe)
+            value = ops.where(started, ops.cast(quotient, dtype),
+                              ops.cast(self.variables[i].value, dtype))
         return value
 
     def save_snapshot(self, optimizer, directory=None):
