@@ -26,8 +26,20 @@ from keras_ema_opt.errors import InvalidArgumentError
 from keras_ema_opt.errors import UnknownVariableError
 
 
+# The debias state's held form is stored times this (`_debias_step`):
+# exact, a power of 2, whose inverse is float32's smallest normal number.
+_HELD = 2.0 ** 126
+
+
 def _is_float(variable):
     return "float" in str(variable.dtype)
+
+
+def _working_dtype(dtype):
+    """The dtype an average of ``dtype`` is computed in: float32 for
+    bfloat16 and float16 (in bfloat16 a decay of 0.999 is 1.0; a small
+    debias correction is 0 in float16), else its own."""
+    return "float32" if dtype in ("float16", "bfloat16") else dtype
 
 
 class Averager:
@@ -289,11 +301,9 @@ class Averager:
     @staticmethod
     def _mix(slot, var, weight, average, copy):
         # Averages of bfloat16 / float16 are mixed in float32 and rounded
-        # once: in bfloat16 a decay of 0.999 is 1.0, and the average would
-        # never move (the fast paths take `1 - d` in float32 too).
-        dtype = slot.dtype
-        if dtype in ("float16", "bfloat16"):
-            dtype = "float32"
+        # once, or they would never move (the fast paths take `1 - d` in
+        # float32 too).
+        dtype = _working_dtype(slot.dtype)
         a = ops.cast(slot.value, dtype)
         w = ops.cast(var.value, dtype)
         # a + (1 - d) (x - a) with the strategy's 1 - d, as torch's `lerp`
@@ -346,9 +356,9 @@ class Averager:
         s = self.debias.value
         r, old = self._debias_terms(s)
         weight = ops.cast(weight, "float32")
-        weight = ops.where(ops.less(weight, 2.0 ** -125), 0.0, weight)
+        # Below 2 / _HELD, c * _HELD could be 1 or less: an old state's.
+        weight = ops.where(ops.less(weight, 2.0 / _HELD), 0.0, weight)
         one = ops.cast(1.0, "float32")
-        held = ops.cast(2.0 ** 126, "float32")
         rest = ops.where(ops.less(r, 0.0), ops.negative(r),
                          ops.subtract(one, r))  # prod(d): 1 - c
         rest = ops.subtract(rest, ops.multiply(weight, rest))
@@ -357,14 +367,13 @@ class Averager:
             ops.logical_and(ops.greater_equal(r, 0.0), ops.less(c, 0.5)), c,
             ops.where(ops.less(rest, 2.0 ** -30), one, ops.negative(rest)))
         c = self._correction(updated)
-        started = ops.greater(c, 0.0)
-        weight = ops.where(
-            ops.logical_or(old, ops.logical_not(started)), weight,
-            ops.divide(weight, ops.where(started, c, one)))
-        updated = ops.multiply(updated, ops.where(old, one, held))
+        # w / c' for the held form once started; w itself otherwise.
+        keep = ops.logical_or(old, ops.logical_not(ops.greater(c, 0.0)))
+        weight = ops.divide(weight, ops.where(keep, one, c))
+        updated = ops.multiply(updated, ops.where(old, 1.0, _HELD))
         if average is not None:
             # A copy is an unbiased start: its correction is 1 / 1.
-            updated = ops.where(copy, held, ops.where(average, updated, s))
+            updated = ops.where(copy, _HELD, ops.where(average, updated, s))
         return updated, weight
 
     @staticmethod
@@ -374,9 +383,10 @@ class Averager:
         form (``_debias_step``)."""
         big = ops.greater(ops.abs(s), 1.0)
         old = ops.logical_and(ops.logical_not(big), ops.not_equal(s, 0.0))
-        # Not 2**127: XLA makes a division by it a product with 2**-127, a
-        # subnormal number, which XLA and TensorFlow may flush to 0.
-        return ops.where(big, ops.multiply(s, 2.0 ** -126), s), old
+        # A product with 1 / _HELD, a normal number (XLA makes a division
+        # a product too; with 2**127 that is subnormal, which XLA and
+        # TensorFlow may flush to 0).
+        return ops.where(big, ops.multiply(s, 1.0 / _HELD), s), old
 
     @staticmethod
     def _correction(r):
@@ -405,14 +415,12 @@ class Averager:
         if self.debias is not None:
             # Before the first averaging update (c = 0) the average is the
             # weights themselves; a state of before the held form reads
-            # a / c (`_debias_step`).
-            # Tested in float32 and divided in at least float32: a small c
-            # is 0 in float16.
+            # a / c (`_debias_step`). c is tested in float32.
             r, old = self._debias_terms(self.debias.value)
             c = self._correction(r)
             started = ops.greater(c, 0.0)
             dtype = value.dtype
-            work = "float32" if dtype in ("float16", "bfloat16") else dtype
+            work = _working_dtype(dtype)
             safe = ops.cast(ops.where(ops.logical_and(old, started), c, 1.0),
                             work)
             quotient = ops.divide(ops.cast(value, work), safe)
