@@ -150,17 +150,16 @@ def run_tests(python, backends, pytest_args, jobs=1):
             # 5: nothing collected, as when ``-k`` selects no test of a part
             if code not in (0, 1, 5) or (code == 1 and f == 0):
                 broken.append(name)
-            for i, n in enumerate((p, f, s)):
-                totals[backend][i] += n
+            totals[backend] = [t + n for t, n in
+                               zip(totals[backend], (p, f, s))]
             left[backend] -= 1
             if not left[backend]:
                 p, f, s = totals[backend]
                 log(f"{backend}: {p} passed, {f} failed, {s} skipped")
+    passed, failed, skipped = (sum(n) for n in zip(*totals.values()))
     if broken:
         log(f"pytest broke before reporting on: {', '.join(broken)}")
-    passed = sum(t[0] for t in totals.values())
-    failed = sum(t[1] for t in totals.values()) + len(broken)
-    skipped = sum(t[2] for t in totals.values())
+        failed += len(broken)
     print(f"{passed} passed, {failed} failed, {skipped} skipped", flush=True)
     return 0 if failed == 0 and passed > 0 else 1
 
