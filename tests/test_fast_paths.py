@@ -1104,3 +1104,201 @@ def test_torch_clipping_falls_back_for_mixed_dtypes(monkeypatch):
     assert norms.count == 0
     for a, b in zip(ours, expected):
         np.testing.assert_allclose(to_numpy(a), to_numpy(b), rtol=1e-7)
+
+
+# JAX on a CPU: Keras' Adam with the averages folded in, one C++ kernel
+# (keras_ema_opt/backend/cpu_kernels.cc). Oracles: Keras' own Adam run
+# eagerly (op by op, in float32, as the kernel computes) and the averaging
+# engine's own `keras.ops` update run eagerly, both to the bit.
+
+def _jax_cpu():
+    from keras_ema_opt.backend import _jax_cpu
+
+    return _jax_cpu
+
+
+def _kernel_off(monkeypatch):
+    monkeypatch.setitem(_jax_cpu()._state, "ready", False)
+
+
+def _state_of(optimizer, variables):
+    return [to_numpy(v) for v in variables] + [
+        to_numpy(v) for v in optimizer.variables]
+
+
+_KERNEL_CASES = [
+    ("Adam", dict(learning_rate=0.05), None),
+    ("Adam", dict(learning_rate=0.05), keras_ema_opt.EMA(0.9)),
+    ("Adam", dict(learning_rate=0.05),
+     keras_ema_opt.EMA(0.999, warmup="power")),
+    ("Adam", dict(learning_rate=0.05), keras_ema_opt.SWA(start_step=2)),
+    ("Adam", dict(learning_rate=0.05), keras_ema_opt.EMA(0.9, debias=True)),
+    ("AdamW", dict(learning_rate=0.05, weight_decay=0.02),
+     keras_ema_opt.PowerEMA()),
+    ("Adam", dict(learning_rate=0.05, gradient_accumulation_steps=2),
+     keras_ema_opt.EMA(0.9)),
+]
+
+
+@only_on("jax")
+def test_jax_cpu_kernel_is_built_where_a_compiler_is():
+    import shutil
+
+    if not any(shutil.which(c) for c in ("c++", "g++", "clang++")):
+        pytest.skip("no C++ compiler on this machine")
+    ready, reason = _jax_cpu().status()
+    assert ready, reason
+
+
+@only_on("jax")
+@pytest.mark.parametrize("name,kwargs,averaging", _KERNEL_CASES)
+def test_jax_cpu_kernel_equals_keras_and_the_engine_to_the_bit(
+        monkeypatch, name, kwargs, averaging):
+    kernel = _jax_cpu()
+    if not kernel.status()[0]:
+        pytest.skip(kernel.status()[1])
+    calls = _Calls(monkeypatch, "adam_average", kernel)
+    weights, grads = _problem(("float32",) * 3)
+
+    def train(jit_compile):
+        opt = getattr(keras_ema_opt, name)(
+            averaging=averaging, jit_compile=jit_compile, **kwargs)
+        variables, _ = _train(opt, weights, grads)
+        return _state_of(opt, variables)
+
+    fused_compiled, fused_eager = train(True), train(False)
+    assert calls.count > 0
+    _kernel_off(monkeypatch)
+    engine = train(False)  # the rule op by op, no kernel
+    # Keras' own JAX `apply_gradients` runs op by op.
+    keras_own, _ = _train(getattr(keras.optimizers, name)(**kwargs),
+                          weights, grads)
+    assert len(fused_eager) == len(fused_compiled) == len(engine)
+    for a, b in zip(fused_eager, engine):
+        np.testing.assert_array_equal(a, b)
+    for a, b in zip(fused_compiled, keras_own):  # the weights
+        np.testing.assert_array_equal(a, to_numpy(b))
+    # What the averaging engine still computes in the compiled step (the
+    # debias state and its weight; the averages under accumulation) XLA
+    # rounds otherwise than op by op, to the last bit.
+    for a, b in zip(fused_compiled, engine):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+
+
+@only_on("jax")
+@pytest.mark.parametrize("averaging", [None, keras_ema_opt.EMA(0.9),
+                                       keras_ema_opt.PowerEMA()])
+def test_jax_fit_takes_the_cpu_kernel_and_trains_as_without(
+        monkeypatch, averaging):
+    kernel = _jax_cpu()
+    if not kernel.status()[0]:
+        pytest.skip(kernel.status()[1])
+    calls = _Calls(monkeypatch, "adam_average", kernel)
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(64, 6)).astype("float32")
+    y = rng.normal(size=(64, 1)).astype("float32")
+
+    def fit():
+        keras.utils.set_random_seed(1)
+        model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(8),
+                                  keras.layers.Dense(1)])
+        opt = keras_ema_opt.Adam(0.01, averaging=averaging)
+        model.compile(optimizer=opt, loss="mse")
+        model.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
+        return _state_of(opt, model.trainable_variables)
+
+    fused = fit()
+    assert calls.count > 0
+    _kernel_off(monkeypatch)
+    general = fit()
+    # XLA's fused loops of the general step round differently from the
+    # rule op by op (to the last bit or two); the kernel is the latter.
+    for a, b in zip(fused, general):
+        np.testing.assert_allclose(a, b, rtol=2e-6, atol=1e-7)
+
+
+@only_on("jax")
+@pytest.mark.parametrize("case", ["amsgrad", "float16", "listed twice"])
+def test_jax_cpu_kernel_leaves_what_it_cannot_take_to_keras(monkeypatch,
+                                                           case):
+    kernel = _jax_cpu()
+    calls = _Calls(monkeypatch, "adam_average", kernel)
+    kwargs = dict(learning_rate=0.05, averaging=keras_ema_opt.EMA(0.9))
+    dtypes = ("float32",) * 3
+    if case == "amsgrad":
+        kwargs["amsgrad"] = True
+    if case == "float16":
+        dtypes = ("float32", "float16", "float32")
+    weights, grads = _problem(dtypes)
+    opt = keras_ema_opt.Adam(**kwargs)
+    variables = [keras.Variable(w, dtype=w.dtype) for w in weights]
+    for step in grads:
+        pairs = list(zip([keras.ops.convert_to_tensor(g) for g in step],
+                         variables))
+        if case == "listed twice":
+            pairs.append((keras.ops.convert_to_tensor(step[0]),
+                          variables[0]))
+        opt.apply_gradients(pairs)
+    assert calls.count == 0
+    assert np.isfinite(to_numpy(variables[1]).astype(np.float64)).all()
+
+
+_FAKE_COMPILER = """#!/bin/sh
+if [ "$1" = "--version" ]; then echo "fake 1.0"; exit 0; fi
+for last; do :; done
+echo partial > "$last"
+echo "fake: cannot compile" >&2
+exit 1
+"""
+
+_STATUS = ("import numpy as np, keras, keras_ema_opt as k, json\n"
+           "from keras_ema_opt.backend import _jax_cpu\n"
+           "v = keras.Variable(np.ones(3, 'float32'))\n"
+           "k.Adam(0.1, averaging=k.EMA(0.5)).apply_gradients("
+           "[(np.ones(3, 'float32'), v)])\n"
+           "print(json.dumps([*_jax_cpu.status(), float(v.numpy()[0])]))\n")
+
+
+@only_on("jax")
+def test_jax_cpu_kernel_build_failure_falls_back_and_leaves_no_file(
+        tmp_path):
+    from conftest import last_json
+    from conftest import run_python
+
+    fake = tmp_path / "fake-c++"
+    fake.write_text(_FAKE_COMPILER)
+    fake.chmod(0o755)
+    cache = tmp_path / "cache"
+    ready, reason, value = last_json(run_python(
+        "-c", _STATUS, backend="jax", CXX=str(fake),
+        KERAS_EMA_OPT_CACHE=str(cache)))
+    assert not ready and "fake: cannot compile" in reason
+    assert value == pytest.approx(0.9, rel=1e-5)  # Keras' own step ran
+    assert list(cache.iterdir()) == []  # no partial library kept
+    ready, reason, value = last_json(run_python(
+        "-c", _STATUS, backend="jax", KERAS_EMA_OPT_CPU_KERNELS="0",
+        KERAS_EMA_OPT_CACHE=str(cache)))
+    assert (ready, reason) == (False, "KERAS_EMA_OPT_CPU_KERNELS=0")
+    assert value == pytest.approx(0.9, rel=1e-5)
+
+
+@only_on("jax")
+def test_jax_cpu_kernel_is_built_once_into_its_cache(tmp_path):
+    import shutil
+
+    from conftest import last_json
+    from conftest import run_python
+
+    if not any(shutil.which(c) for c in ("c++", "g++", "clang++")):
+        pytest.skip("no C++ compiler on this machine")
+    cache = tmp_path / "cache"
+    for _ in range(2):
+        ready, reason, value = last_json(run_python(
+            "-c", _STATUS, backend="jax", KERAS_EMA_OPT_CACHE=str(cache)))
+        assert ready, reason
+        assert value == pytest.approx(0.9, rel=1e-5)
+        built = sorted(p.name for p in cache.iterdir())
+        assert len(built) == 1 and built[0].startswith("adam_average-")
+        if _ == 0:
+            stamp = (cache / built[0]).stat().st_mtime_ns
+    assert (cache / built[0]).stat().st_mtime_ns == stamp  # reused
