@@ -1150,38 +1150,67 @@ def test_jax_cpu_kernel_is_built_where_a_compiler_is():
     assert ready, reason
 
 
+def _kernel_problem():
+    """Three float32 tensors, one of 40,200 elements: the kernel's pieces
+    of 16,384 (two whole, a tail) taken by more than one thread."""
+    rng = np.random.default_rng(0)
+    shapes = [(4, 3), (5,), (200, 201)]
+    weights = [rng.normal(size=s).astype("float32") for s in shapes]
+    grads = [[rng.normal(size=s).astype("float32") for s in shapes]
+             for _ in range(6)]
+    return weights, grads
+
+
+def _ready_kernel():
+    kernel = _jax_cpu()
+    ready, reason = kernel.status()
+    if not ready:
+        pytest.skip(reason)
+    return kernel
+
+
 @only_on("jax")
 @pytest.mark.parametrize("name,kwargs,averaging", _KERNEL_CASES)
 def test_jax_cpu_kernel_equals_keras_and_the_engine_to_the_bit(
         monkeypatch, name, kwargs, averaging):
-    kernel = _jax_cpu()
-    if not kernel.status()[0]:
-        pytest.skip(kernel.status()[1])
-    calls = _Calls(monkeypatch, "adam_average", kernel)
-    weights, grads = _problem(("float32",) * 3)
+    kernel = _ready_kernel()
+    weights, grads = _kernel_problem()
 
     def train(jit_compile):
+        calls = _Calls(monkeypatch, "adam_average", kernel)
         opt = getattr(keras_ema_opt, name)(
             averaging=averaging, jit_compile=jit_compile, **kwargs)
         variables, _ = _train(opt, weights, grads)
-        return _state_of(opt, variables)
+        return _state_of(opt, variables), opt, calls.count
 
-    fused_compiled, fused_eager = train(True), train(False)
-    assert calls.count > 0
+    fused_compiled, _, compiled_calls = train(True)
+    fused_eager, opt, eager_calls = train(False)
+    assert compiled_calls >= 1 and eager_calls >= len(grads) // max(
+        1, kwargs.get("gradient_accumulation_steps") or 1)
     _kernel_off(monkeypatch)
-    engine = train(False)  # the rule op by op, no kernel
+    engine, _, _ = train(False)  # the rule op by op, no kernel
     # Keras' own JAX `apply_gradients` runs op by op.
-    keras_own, _ = _train(getattr(keras.optimizers, name)(**kwargs),
-                          weights, grads)
+    theirs = getattr(keras.optimizers, name)(**kwargs)
+    keras_own, _ = _train(theirs, weights, grads)
     assert len(fused_eager) == len(fused_compiled) == len(engine)
     for a, b in zip(fused_eager, engine):
         np.testing.assert_array_equal(a, b)
-    for a, b in zip(fused_compiled, keras_own):  # the weights
-        np.testing.assert_array_equal(a, to_numpy(b))
-    # What the averaging engine still computes in the compiled step (the
-    # debias state and its weight; the averages under accumulation) XLA
-    # rounds otherwise than op by op, to the last bit.
-    for a, b in zip(fused_compiled, engine):
+    ours_slots = [opt._momentums, opt._velocities]
+    their_slots = [theirs._momentums, theirs._velocities]
+    for a, b in zip([*map(to_numpy, opt._trainable_variables)]
+                    + [to_numpy(s) for slots in ours_slots for s in slots],
+                    [*map(to_numpy, keras_own)]
+                    + [to_numpy(s) for slots in their_slots for s in slots]):
+        np.testing.assert_array_equal(a, b)
+    # Compiled, the kernel computes the same; what XLA computes around it
+    # (AdamW's decay, the debias state and its weight, the averages under
+    # accumulation) it rounds otherwise than op by op, to the last bit.
+    plain = name == "Adam" and not kwargs.get(
+        "gradient_accumulation_steps") and not getattr(
+        averaging, "debias", False)
+    for a, b in zip(fused_compiled, fused_eager):
+        if plain:
+            np.testing.assert_array_equal(a, b)
         np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
 
 
@@ -1190,9 +1219,7 @@ def test_jax_cpu_kernel_equals_keras_and_the_engine_to_the_bit(
                                        keras_ema_opt.PowerEMA()])
 def test_jax_fit_takes_the_cpu_kernel_and_trains_as_without(
         monkeypatch, averaging):
-    kernel = _jax_cpu()
-    if not kernel.status()[0]:
-        pytest.skip(kernel.status()[1])
+    kernel = _ready_kernel()
     calls = _Calls(monkeypatch, "adam_average", kernel)
     rng = np.random.default_rng(0)
     x = rng.normal(size=(64, 6)).astype("float32")
@@ -1217,30 +1244,98 @@ def test_jax_fit_takes_the_cpu_kernel_and_trains_as_without(
         np.testing.assert_allclose(a, b, rtol=2e-6, atol=1e-7)
 
 
+class _OwnRuleAdam(keras_ema_opt.Adam):
+    def update_step(self, gradient, variable, learning_rate):
+        self.assign_sub(variable, 100.0 * gradient)
+
+
 @only_on("jax")
-@pytest.mark.parametrize("case", ["amsgrad", "float16", "listed twice"])
+@pytest.mark.parametrize("case", ["amsgrad", "float16", "listed twice",
+                                  "own rule", "bfloat16 gradients",
+                                  "numpy betas"])
 def test_jax_cpu_kernel_leaves_what_it_cannot_take_to_keras(monkeypatch,
                                                            case):
-    kernel = _jax_cpu()
+    kernel = _ready_kernel()
     calls = _Calls(monkeypatch, "adam_average", kernel)
-    kwargs = dict(learning_rate=0.05, averaging=keras_ema_opt.EMA(0.9))
+    kwargs = dict(learning_rate=0.05)
     dtypes = ("float32",) * 3
+    cls, keras_cls = keras_ema_opt.Adam, keras.optimizers.Adam
     if case == "amsgrad":
         kwargs["amsgrad"] = True
     if case == "float16":
         dtypes = ("float32", "float16", "float32")
+    if case == "own rule":
+        cls = _OwnRuleAdam
+    if case == "numpy betas":
+        kwargs.update(beta_1=np.float32(0.9), beta_2=np.float32(0.99))
     weights, grads = _problem(dtypes)
-    opt = keras_ema_opt.Adam(**kwargs)
-    variables = [keras.Variable(w, dtype=w.dtype) for w in weights]
-    for step in grads:
-        pairs = list(zip([keras.ops.convert_to_tensor(g) for g in step],
-                         variables))
-        if case == "listed twice":
-            pairs.append((keras.ops.convert_to_tensor(step[0]),
-                          variables[0]))
-        opt.apply_gradients(pairs)
+
+    def train(opt):
+        variables = [keras.Variable(w, dtype=w.dtype) for w in weights]
+        for step in grads:
+            given = [keras.ops.convert_to_tensor(
+                g, "bfloat16" if case.startswith("bfloat16") else None)
+                for g in step]
+            pairs = list(zip(given, variables))
+            if case == "listed twice":
+                pairs.append((given[0] * 0.5, variables[0]))
+            opt.apply_gradients(pairs)
+        return [to_numpy(v) for v in variables]
+
+    ours = train(cls(averaging=keras_ema_opt.EMA(0.9), **kwargs))
     assert calls.count == 0
-    assert np.isfinite(to_numpy(variables[1]).astype(np.float64)).all()
+    if case == "own rule":  # w - 100 g at each step
+        expected = weights[0] - 100.0 * sum(g[0] for g in grads)
+        np.testing.assert_allclose(ours[0], expected, rtol=1e-5)
+        return
+    theirs = train(keras_cls(**kwargs))
+    for a, b in zip(ours, theirs):  # ours compiled, Keras' op by op
+        tolerance = 4 * float(np.finfo(b.dtype).eps)  # a rounding or two
+        np.testing.assert_allclose(a.astype(np.float64), b, rtol=tolerance,
+                                   atol=tolerance)
+
+
+@only_on("jax")
+def test_jax_cpu_kernel_steps_an_ensemble_and_is_differentiable(
+        monkeypatch):
+    """Under ``jax.vmap`` (one optimizer state per member) and through
+    ``jax.grad`` (a loss after the step), as Keras' own step."""
+    import jax
+
+    _ready_kernel()
+    weights, grads = _problem(("float32",) * 3)
+
+    def results():
+        opt = keras_ema_opt.Adam(0.05, averaging=keras_ema_opt.EMA(0.9))
+        variables = [keras.Variable(w) for w in weights]
+        opt.build(variables)
+        opt_values = [v.value for v in opt.variables]
+        values = [v.value for v in variables]
+
+        def step(g, w):
+            new_w, new_opt = opt.stateless_apply(opt_values, g, w)
+            return new_w, new_opt
+
+        members = [np.stack([g, 2 * g]) for g in grads[0]]
+        stacked = [np.stack([w, w]) for w in values]
+        ensemble = jax.vmap(step)(members, stacked)
+
+        def loss(g):
+            new_w, _ = step(g, values)
+            return sum(jax.numpy.sum(w * w) for w in new_w)
+
+        gradient = jax.grad(loss)(list(grads[0]))
+        return jax.tree_util.tree_leaves((ensemble, gradient))
+
+    calls = _Calls(monkeypatch, "adam_average", _jax_cpu())
+    fused = results()
+    assert calls.count >= 2
+    _kernel_off(monkeypatch)
+    general = results()
+    assert len(fused) == len(general)
+    for a, b in zip(fused, general):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5,
+                                   atol=1e-6)
 
 
 _FAKE_COMPILER = """#!/bin/sh

@@ -7,7 +7,9 @@ here. Each backend module provides the same set:
   :class:`keras_ema_opt.Optimizer`. It overrides narrow Keras internals only.
 - ``keras_optimizer_class(name)``: the Keras class whose update rule a named
   optimizer reuses (on PyTorch, Keras' multi-tensor ``torch._foreach``
-  variant, which is what ``keras.optimizers.<Name>()`` itself builds there).
+  variant, which is what ``keras.optimizers.<Name>()`` itself builds there;
+  Adam and AdamW with a fused update step on PyTorch, and on JAX on a
+  CPU).
 - ``resolve_jit_compile(requested)``: whether eager ``apply_gradients`` runs
   compiled on this backend and machine.
 - ``compiled_apply(optimizer, grads, variables)``: one optimizer step, run

@@ -20,15 +20,18 @@ Environment:
 """
 
 import ctypes
+import functools
 import hashlib
 import logging
 import os
 import pathlib
 import platform
+import shlex
 import shutil
 import subprocess
 import tempfile
 import threading
+import time
 
 import jax
 import jax.numpy as jnp
@@ -82,7 +85,12 @@ def _load():
         return "no C++ compiler (set CXX)"
     include = jax.ffi.include_dir()
     library = _build(compiler, include)
-    _state["library"] = ctypes.cdll.LoadLibrary(str(library))
+    try:
+        _state["library"] = ctypes.cdll.LoadLibrary(str(library))
+    except OSError:  # a damaged file in the cache: build it again, once
+        library.unlink(missing_ok=True)
+        library = _build(compiler, include)
+        _state["library"] = ctypes.cdll.LoadLibrary(str(library))
     jax.ffi.register_ffi_target(
         _TARGET, jax.ffi.pycapsule(_state["library"].KeoAdamAverage),
         platform="cpu")
@@ -90,13 +98,16 @@ def _load():
 
 
 def _compiler():
-    given = os.environ.get("CXX")
+    """The compiler's command (``CXX`` may hold a launcher: ``ccache g++``),
+    or None."""
+    given = shlex.split(os.environ.get("CXX", ""))
     if given:
-        return shutil.which(given)
+        found = shutil.which(given[0])
+        return [found, *given[1:]] if found else None
     for name in ("c++", "g++", "clang++"):
         found = shutil.which(name)
         if found:
-            return found
+            return [found]
     return None
 
 
@@ -104,7 +115,7 @@ def _build(compiler, include):
     """The kernel's shared library: from the cache, or compiled into a
     temporary file and renamed into it (no partial file is ever loaded;
     processes building at once each rename a whole one)."""
-    version = subprocess.run([compiler, "--version"], capture_output=True,
+    version = subprocess.run([*compiler, "--version"], capture_output=True,
                              text=True, check=True, timeout=60).stdout
     key = hashlib.sha256()
     for part in (_SOURCE.read_bytes(), jax.__version__.encode(),
@@ -117,20 +128,33 @@ def _build(compiler, include):
     if target.exists():
         return target
     cache.mkdir(parents=True, exist_ok=True)
+    _remove_abandoned(cache)
     fd, temp = tempfile.mkstemp(dir=cache, prefix=".build-", suffix=".so")
     os.close(fd)
     try:
         done = subprocess.run(
-            [compiler, *_FLAGS, f"-I{include}", str(_SOURCE), "-o", temp],
+            [*compiler, *_FLAGS, f"-I{include}", str(_SOURCE), "-o", temp],
             capture_output=True, text=True, timeout=300)
         if done.returncode != 0:
-            raise RuntimeError(f"{compiler} exited {done.returncode}: "
+            raise RuntimeError(f"{shlex.join(compiler)} exited "
+                               f"{done.returncode}: "
                                f"{done.stderr.strip()[-2000:]}")
         os.replace(temp, target)
     finally:
         if os.path.exists(temp):
             os.unlink(temp)
     return target
+
+
+def _remove_abandoned(cache, age=3600):
+    """Temporary files of builds killed an hour ago or more."""
+    now = time.time()
+    for path in cache.glob(".build-*"):
+        try:
+            if now - path.stat().st_mtime > age:
+                path.unlink()
+        except OSError:  # another process took it meanwhile
+            pass
 
 
 def _jaxlib_version():
@@ -141,13 +165,19 @@ def _jaxlib_version():
 
 def _cpu_signature():
     """What ``-march=native`` compiled for: the CPU's model and flags."""
+    fields = ("model name", "flags", "Features", "CPU implementer",
+              "CPU architecture", "CPU variant", "CPU part")
+    lines = {}
     try:
         with open("/proc/cpuinfo") as f:
-            lines = [line for line in f if line.startswith(
-                ("model name", "flags"))][:2]
-        return "".join(lines)
+            for line in f:
+                name = line.split(":")[0].strip()
+                if name in fields:
+                    lines.setdefault(name, line.strip())
     except OSError:
-        return platform.processor()
+        pass
+    return "\n".join([platform.machine(), platform.processor(),
+                      *sorted(lines.values())])
 
 
 def _cache_dir():
@@ -184,6 +214,11 @@ def adam_average(scalars, tensors, averages):
         Per variable ``(m, v, w, a_1, ..., a_k)`` after the step, each in
         its input's buffer (aliased).
     """
+    return _adam_average(averages, scalars, [tuple(t) for t in tensors])
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(0,))
+def _adam_average(averages, scalars, tensors):
     per_in, per_out = 4 + averages, 3 + averages
     operands = [scalars]
     shapes, aliases = [], {}
@@ -192,8 +227,38 @@ def adam_average(scalars, tensors, averages):
         for k, value in enumerate(group[1:]):
             aliases[1 + i * per_in + 1 + k] = len(shapes)
             shapes.append(jax.ShapeDtypeStruct(value.shape, value.dtype))
-    outputs = jax.ffi.ffi_call(_TARGET, shapes,
-                               input_output_aliases=aliases)(
+    # Under `jax.vmap` (an ensemble of optimizers), one call per member.
+    outputs = jax.ffi.ffi_call(_TARGET, shapes, input_output_aliases=aliases,
+                               vmap_method="sequential")(
         *operands, averages=np.int64(averages))
-    return [outputs[i * per_out:(i + 1) * per_out]
+    return [tuple(outputs[i * per_out:(i + 1) * per_out])
             for i in range(len(tensors))]
+
+
+@_adam_average.defjvp
+def _adam_average_jvp(averages, primals, tangents):
+    """Derivatives through the step (``jax.grad`` of a loss after it): those
+    of the same rule written in ``jax.numpy``."""
+    outputs = _adam_average(averages, *primals)
+    _, derivatives = jax.jvp(functools.partial(_rule, averages), primals,
+                             tangents)
+    return outputs, derivatives
+
+
+def _rule(averages, scalars, tensors):
+    """The kernel's rule in ``jax.numpy`` (see ``cpu_kernels.cc``)."""
+    alpha, c1, c2, eps = (scalars[i] for i in range(4))
+    updated = []
+    for g, m, v, w, *avgs in tensors:
+        m = m + (g - m) * c1
+        v = v + (g * g - v) * c2
+        w = w - (m * alpha) / (jnp.sqrt(v) + eps)
+        new = []
+        for j, a in enumerate(avgs):
+            u = scalars[4 + j]
+            near = u < 0.5
+            mixed = jnp.where(near, a, w) + jnp.where(near, u, u - 1) * (
+                w - a)
+            new.append(jnp.where(u == 1, w, jnp.where(u == 0, a, mixed)))
+        updated.append((m, v, w, *new))
+    return updated

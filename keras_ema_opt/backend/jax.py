@@ -103,6 +103,12 @@ def _fused_plan(optimizer, grads, variables):
     of the variables updated with ``k`` averages (0 where the averaging
     engine updates them itself: another dtype, or a step under gradient
     accumulation, whose averages move only on real steps)."""
+    from keras_ema_opt.optimizer import not_overridden
+
+    # A subclass's own rule is its own; so is a hyperparameter that is not
+    # a plain number (a tensor, a callable).
+    if not not_overridden(optimizer, keras.optimizers.Adam, "update_step"):
+        return None
     if optimizer.amsgrad or not all(isinstance(c, (int, float)) for c in (
             optimizer.beta_1, optimizer.beta_2, optimizer.epsilon)):
         return None
