@@ -1106,19 +1106,26 @@ def test_torch_clipping_falls_back_for_mixed_dtypes(monkeypatch):
         np.testing.assert_allclose(to_numpy(a), to_numpy(b), rtol=1e-7)
 
 
-# JAX on a CPU: Keras' Adam with the averages folded in, one C++ kernel
-# (keras_ema_opt/backend/cpu_kernels.cc). Oracles: Keras' own Adam run
-# eagerly (op by op, in float32, as the kernel computes) and the averaging
-# engine's own `keras.ops` update run eagerly, both to the bit.
+# JAX and TensorFlow on a CPU: Keras' Adam with the averages folded in,
+# one C++ kernel (keras_ema_opt/backend/adam_average.h; an XLA FFI target
+# on JAX, a custom op on TensorFlow). Oracles: Keras' own Adam run op by
+# op (in float32, as the kernel computes) and the averaging engine's own
+# `keras.ops` update run op by op, both to the bit.
 
-def _jax_cpu():
-    from keras_ema_opt.backend import _jax_cpu
-
-    return _jax_cpu
+def _cpu_kernel():
+    if BACKEND == "jax":
+        from keras_ema_opt.backend import _jax_cpu as kernel
+    else:
+        from keras_ema_opt.backend import _tf_cpu as kernel
+    return kernel
 
 
 def _kernel_off(monkeypatch):
-    monkeypatch.setitem(_jax_cpu()._state, "ready", False)
+    monkeypatch.setattr(_cpu_kernel()._kernel, "ready", False)
+    # TensorFlow's fused average kernel (`a - u (a - x)`, not from the
+    # nearer end) is not the engine's rule where u >= 1/2.
+    monkeypatch.setattr(keras_ema_opt.backend, "lerp_averages",
+                        lambda pairs, weight, gated=False: pairs)
 
 
 def _state_of(optimizer, variables):
@@ -1140,13 +1147,13 @@ _KERNEL_CASES = [
 ]
 
 
-@only_on("jax")
-def test_jax_cpu_kernel_is_built_where_a_compiler_is():
+@only_on("jax", "tensorflow")
+def test_cpu_kernel_is_built_where_a_compiler_is():
     import shutil
 
     if not any(shutil.which(c) for c in ("c++", "g++", "clang++")):
         pytest.skip("no C++ compiler on this machine")
-    ready, reason = _jax_cpu().status()
+    ready, reason = _cpu_kernel().status()
     assert ready, reason
 
 
@@ -1162,22 +1169,22 @@ def _kernel_problem():
 
 
 def _ready_kernel():
-    kernel = _jax_cpu()
+    kernel = _cpu_kernel()
     ready, reason = kernel.status()
     if not ready:
         pytest.skip(reason)
     return kernel
 
 
-@only_on("jax")
+@only_on("jax", "tensorflow")
 @pytest.mark.parametrize("name,kwargs,averaging", _KERNEL_CASES)
-def test_jax_cpu_kernel_equals_keras_and_the_engine_to_the_bit(
+def test_cpu_kernel_equals_keras_and_the_engine_to_the_bit(
         monkeypatch, name, kwargs, averaging):
     kernel = _ready_kernel()
     weights, grads = _kernel_problem()
 
     def train(jit_compile):
-        calls = _Calls(monkeypatch, "adam_average", kernel)
+        calls = _Calls(monkeypatch, "apply", kernel)
         opt = getattr(keras_ema_opt, name)(
             averaging=averaging, jit_compile=jit_compile, **kwargs)
         variables, _ = _train(opt, weights, grads)
@@ -1214,13 +1221,13 @@ def test_jax_cpu_kernel_equals_keras_and_the_engine_to_the_bit(
         np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
 
 
-@only_on("jax")
+@only_on("jax", "tensorflow")
 @pytest.mark.parametrize("averaging", [None, keras_ema_opt.EMA(0.9),
                                        keras_ema_opt.PowerEMA()])
-def test_jax_fit_takes_the_cpu_kernel_and_trains_as_without(
+def test_fit_takes_the_cpu_kernel_and_trains_as_without(
         monkeypatch, averaging):
     kernel = _ready_kernel()
-    calls = _Calls(monkeypatch, "adam_average", kernel)
+    calls = _Calls(monkeypatch, "apply", kernel)
     rng = np.random.default_rng(0)
     x = rng.normal(size=(64, 6)).astype("float32")
     y = rng.normal(size=(64, 1)).astype("float32")
@@ -1249,14 +1256,14 @@ class _OwnRuleAdam(keras_ema_opt.Adam):
         self.assign_sub(variable, 100.0 * gradient)
 
 
-@only_on("jax")
+@only_on("jax", "tensorflow")
 @pytest.mark.parametrize("case", ["amsgrad", "float16", "listed twice",
                                   "own rule", "bfloat16 gradients",
                                   "numpy betas"])
-def test_jax_cpu_kernel_leaves_what_it_cannot_take_to_keras(monkeypatch,
+def test_cpu_kernel_leaves_what_it_cannot_take_to_keras(monkeypatch,
                                                            case):
     kernel = _ready_kernel()
-    calls = _Calls(monkeypatch, "adam_average", kernel)
+    calls = _Calls(monkeypatch, "apply", kernel)
     kwargs = dict(learning_rate=0.05)
     dtypes = ("float32",) * 3
     cls, keras_cls = keras_ema_opt.Adam, keras.optimizers.Adam
@@ -1327,7 +1334,7 @@ def test_jax_cpu_kernel_steps_an_ensemble_and_is_differentiable(
         gradient = jax.grad(loss)(list(grads[0]))
         return jax.tree_util.tree_leaves((ensemble, gradient))
 
-    calls = _Calls(monkeypatch, "adam_average", _jax_cpu())
+    calls = _Calls(monkeypatch, "adam_average", _cpu_kernel())
     fused = results()
     assert calls.count >= 2
     _kernel_off(monkeypatch)
@@ -1346,16 +1353,17 @@ echo "fake: cannot compile" >&2
 exit 1
 """
 
+_PREFIX = {"jax": "jax", "tensorflow": "tf"}.get(BACKEND, "")
 _STATUS = ("import numpy as np, keras, keras_ema_opt as k, json\n"
-           "from keras_ema_opt.backend import _jax_cpu\n"
+           f"from keras_ema_opt.backend import _{_PREFIX}_cpu as kernel\n"
            "v = keras.Variable(np.ones(3, 'float32'))\n"
            "k.Adam(0.1, averaging=k.EMA(0.5)).apply_gradients("
            "[(np.ones(3, 'float32'), v)])\n"
-           "print(json.dumps([*_jax_cpu.status(), float(v.numpy()[0])]))\n")
+           "print(json.dumps([*kernel.status(), float(v.numpy()[0])]))\n")
 
 
-@only_on("jax")
-def test_jax_cpu_kernel_build_failure_falls_back_and_leaves_no_file(
+@only_on("jax", "tensorflow")
+def test_cpu_kernel_build_failure_falls_back_and_leaves_no_file(
         tmp_path):
     from conftest import last_json
     from conftest import run_python
@@ -1365,20 +1373,20 @@ def test_jax_cpu_kernel_build_failure_falls_back_and_leaves_no_file(
     fake.chmod(0o755)
     cache = tmp_path / "cache"
     ready, reason, value = last_json(run_python(
-        "-c", _STATUS, backend="jax", CXX=str(fake),
+        "-c", _STATUS, backend=BACKEND, CXX=str(fake),
         KERAS_EMA_OPT_CACHE=str(cache)))
     assert not ready and "fake: cannot compile" in reason
     assert value == pytest.approx(0.9, rel=1e-5)  # Keras' own step ran
     assert list(cache.iterdir()) == []  # no partial library kept
     ready, reason, value = last_json(run_python(
-        "-c", _STATUS, backend="jax", KERAS_EMA_OPT_CPU_KERNELS="0",
+        "-c", _STATUS, backend=BACKEND, KERAS_EMA_OPT_CPU_KERNELS="0",
         KERAS_EMA_OPT_CACHE=str(cache)))
     assert (ready, reason) == (False, "KERAS_EMA_OPT_CPU_KERNELS=0")
     assert value == pytest.approx(0.9, rel=1e-5)
 
 
-@only_on("jax")
-def test_jax_cpu_kernel_is_built_once_into_its_cache(tmp_path):
+@only_on("jax", "tensorflow")
+def test_cpu_kernel_is_built_once_into_its_cache(tmp_path):
     import shutil
 
     from conftest import last_json
@@ -1389,11 +1397,12 @@ def test_jax_cpu_kernel_is_built_once_into_its_cache(tmp_path):
     cache = tmp_path / "cache"
     for _ in range(2):
         ready, reason, value = last_json(run_python(
-            "-c", _STATUS, backend="jax", KERAS_EMA_OPT_CACHE=str(cache)))
+            "-c", _STATUS, backend=BACKEND, KERAS_EMA_OPT_CACHE=str(cache)))
         assert ready, reason
         assert value == pytest.approx(0.9, rel=1e-5)
         built = sorted(p.name for p in cache.iterdir())
-        assert len(built) == 1 and built[0].startswith("adam_average-")
+        assert len(built) == 1
+        assert built[0].startswith(f"{_PREFIX}_adam_average-")
         if _ == 0:
             stamp = (cache / built[0]).stat().st_mtime_ns
     assert (cache / built[0]).stat().st_mtime_ns == stamp  # reused

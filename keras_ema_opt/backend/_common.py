@@ -1,6 +1,7 @@
 """Pieces shared by the backend modules (no framework imports here)."""
 
 import contextlib
+import functools
 
 import keras
 
@@ -152,3 +153,105 @@ def rate_given(optimizer, values):
         yield
     finally:
         inner._learning_rate = rate
+
+
+def with_fused_adam(name, kernel):
+    """Keras' class ``name``; for Adam and AdamW, with
+    :class:`FusedAdamStep` in front, running ``kernel`` (``_jax_cpu``,
+    ``_tf_cpu``)."""
+    cls = keras_optimizer_class(name)
+    if name not in ("Adam", "AdamW"):
+        return cls
+    return _with_fused_step(cls, kernel)
+
+
+@functools.lru_cache(maxsize=None)  # one class per rule: identity holds
+def _with_fused_step(cls, kernel):
+    return type(cls.__name__, (FusedAdamStep, cls),
+                {"__module__": cls.__module__, "_fused_kernel": kernel})
+
+
+class FusedAdamStep:
+    """Keras' Adam update (``AdamW``: its decoupled decay is applied before,
+    by Keras) on a CPU as one C++ kernel over every float32 variable of
+    the step, with the step's averages folded in (``adam_average.h``):
+    one pass over each tensor, in place of Keras' ops per variable (and,
+    on JAX, XLA's CPU loops, one per output, which read the new moments
+    and weights back). The rule is Keras', in float32 and in its order of
+    operations, with the step size ``alpha = lr sqrt(1 - b2^t) / (1 -
+    b1^t)`` computed by the same ``keras.ops`` as Keras' own step: equal to
+    Keras' step op by op, to the bit (tested). Where the kernel cannot
+    serve (see :func:`fused_adam_plan` and the backend's ``serves``),
+    Keras' own step runs.
+
+    ``_fused_kernel``: the backend's kernel module, with ``serves(grads,
+    variables)`` and ``apply(optimizer, scalars, members, averages)``.
+    """
+
+    _fused_kernel = None
+
+    def _backend_update_step(self, grads, trainable_variables,
+                             learning_rate):
+        plan = fused_adam_plan(self, grads, trainable_variables)
+        if plan is None:
+            return super()._backend_update_step(grads, trainable_variables,
+                                                learning_rate)
+        ops = keras.ops
+        lr = ops.cast(learning_rate, "float32")
+        local_step = ops.cast(self.iterations + 1, "float32")
+        beta_1_power = ops.power(ops.cast(self.beta_1, "float32"),
+                                 local_step)
+        beta_2_power = ops.power(ops.cast(self.beta_2, "float32"),
+                                 local_step)
+        alpha = lr * ops.sqrt(1 - beta_2_power) / (1 - beta_1_power)
+        # As Keras' step rounds them: the Python numbers to float32.
+        constants = [alpha] + [ops.convert_to_tensor(c, "float32") for c in (
+            1 - self.beta_1, 1 - self.beta_2, self.epsilon)]
+        averager, groups = plan
+        folding = any(groups[1:])
+        weights = averager.fold_weights(self) if folding else []
+        for k, members in enumerate(groups):
+            if members:
+                scalars = ops.stack([ops.cast(c, "float32")
+                                     for c in constants + weights[:k]])
+                self._fused_kernel.apply(self, scalars, members, k)
+        if folding:
+            averager.folded([var for members in groups[1:]
+                             for _, var, _, _ in members])
+
+
+def fused_adam_plan(optimizer, grads, variables):
+    """``(averager, groups)`` for the fused step, or None where Keras' own
+    step must run: ``groups[k]`` holds ``(grad, variable, index, slots)``
+    of the variables updated with ``k`` averages (0 where the averaging
+    engine updates them itself: another dtype, or a step under gradient
+    accumulation, whose averages move only on real steps)."""
+    from keras_ema_opt.optimizer import not_overridden
+
+    kernel = optimizer._fused_kernel
+    # A subclass's own rule is its own; so is a hyperparameter that is not
+    # a plain number (a tensor, a callable).
+    if not not_overridden(optimizer, keras.optimizers.Adam, "update_step"):
+        return None
+    if optimizer.amsgrad or not all(isinstance(c, (int, float)) for c in (
+            optimizer.beta_1, optimizer.beta_2, optimizer.epsilon)):
+        return None
+    variables = list(variables)
+    if len({id(v) for v in variables}) != len(variables) or any(
+            g is None or tuple(g.shape) != tuple(v.shape)
+            for g, v in zip(grads, variables)):
+        return None
+    if not kernel.serves(grads, variables):
+        return None
+    averager = getattr(optimizer, "_averager", None)
+    fold = averager is not None and not (
+        optimizer.gradient_accumulation_steps)
+    groups = [[] for _ in range(kernel.MAX_AVERAGES + 1)]
+    for grad, var in zip(grads, variables):
+        slots = averager.slots_of(optimizer, var) if fold else None
+        if not slots or len(slots) > kernel.MAX_AVERAGES or any(
+                s.dtype != "float32" for s in slots):
+            slots = ()
+        groups[len(slots)].append(
+            (grad, var, optimizer._get_variable_index(var), tuple(slots)))
+    return averager, groups

@@ -2,7 +2,6 @@
 
 import collections
 import contextlib
-import functools
 import weakref
 
 import jax
@@ -32,106 +31,9 @@ class OptimizerHooks:
 
 
 def keras_optimizer_class(name):
-    """Keras' class; Adam and AdamW with the fused CPU step below."""
-    cls = _common.keras_optimizer_class(name)
-    if name in ("Adam", "AdamW"):
-        return _with_fused_step(cls)
-    return cls
-
-
-@functools.lru_cache(maxsize=None)  # one class per rule: identity holds
-def _with_fused_step(cls):
-    return type(cls.__name__, (_FusedAdamStep, cls),
-                {"__module__": cls.__module__})
-
-
-class _FusedAdamStep:
-    """Keras' Adam update (``AdamW``: its decoupled decay is applied before,
-    by Keras) on a CPU as one C++ kernel over every float32 variable, with
-    the step's averages folded in (``_jax_cpu``): one pass over each
-    tensor, where XLA's CPU code makes one loop per output and reads the
-    new moments and weights back. The rule is Keras', in float32 and in
-    its order of operations, the step size ``alpha = lr sqrt(1 - b2^t) /
-    (1 - b1^t)`` computed by the same ``keras.ops`` as Keras' own step:
-    equal to Keras' step to the bit (tested). Elsewhere (a GPU, several
-    devices, AMSGrad, other dtypes, no C++ compiler) Keras' own step runs.
-    """
-
-    def _backend_update_step(self, grads, trainable_variables,
-                             learning_rate):
-        plan = _fused_plan(self, grads, trainable_variables)
-        if plan is None:
-            return super()._backend_update_step(grads, trainable_variables,
-                                                learning_rate)
-        ops = keras.ops
-        lr = ops.cast(learning_rate, "float32")
-        local_step = ops.cast(self.iterations + 1, "float32")
-        beta_1_power = ops.power(ops.cast(self.beta_1, "float32"),
-                                 local_step)
-        beta_2_power = ops.power(ops.cast(self.beta_2, "float32"),
-                                 local_step)
-        alpha = lr * ops.sqrt(1 - beta_2_power) / (1 - beta_1_power)
-        constants = [alpha] + [jnp.float32(c) for c in (
-            1 - self.beta_1, 1 - self.beta_2, self.epsilon)]
-        averager, groups = plan
-        folding = any(groups[1:])
-        weights = averager.fold_weights(self) if folding else []
-        for k, members in enumerate(groups):
-            if not members:
-                continue
-            scalars = jnp.stack([jnp.asarray(c, jnp.float32)
-                                 for c in constants + weights[:k]])
-            tensors = [(grad, self._momentums[i].value,
-                        self._velocities[i].value, var.value,
-                        *(slot.value for slot in slots))
-                       for grad, var, i, slots in members]
-            updated = _jax_cpu.adam_average(scalars, tensors, k)
-            for (_, var, i, slots), values in zip(members, updated):
-                self._momentums[i].assign(values[0])
-                self._velocities[i].assign(values[1])
-                var.assign(values[2])
-                for slot, value in zip(slots, values[3:]):
-                    slot.assign(value)
-        if folding:
-            averager.folded([var for members in groups[1:]
-                             for _, var, _, _ in members])
-
-
-def _fused_plan(optimizer, grads, variables):
-    """``(averager, groups)`` for the fused step, or None where Keras' own
-    step must run: ``groups[k]`` holds ``(grad, variable, index, slots)``
-    of the variables updated with ``k`` averages (0 where the averaging
-    engine updates them itself: another dtype, or a step under gradient
-    accumulation, whose averages move only on real steps)."""
-    from keras_ema_opt.optimizer import not_overridden
-
-    # A subclass's own rule is its own; so is a hyperparameter that is not
-    # a plain number (a tensor, a callable).
-    if not not_overridden(optimizer, keras.optimizers.Adam, "update_step"):
-        return None
-    if optimizer.amsgrad or not all(isinstance(c, (int, float)) for c in (
-            optimizer.beta_1, optimizer.beta_2, optimizer.epsilon)):
-        return None
-    variables = list(variables)
-    if len({id(v) for v in variables}) != len(variables) or any(
-            not isinstance(g, jax.Array) or g.dtype != jnp.float32
-            or tuple(g.shape) != tuple(v.shape)
-            for g, v in zip(grads, variables)):
-        return None
-    if not _jax_cpu.serves([v.value for v in variables]):
-        return None
-    averager = getattr(optimizer, "_averager", None)
-    fold = averager is not None and not (
-        optimizer.gradient_accumulation_steps)
-    groups = [[] for _ in range(_jax_cpu.MAX_AVERAGES + 1)]
-    for grad, var in zip(grads, variables):
-        slots = averager.slots_of(optimizer, var) if fold else None
-        if not slots or len(slots) > _jax_cpu.MAX_AVERAGES or any(
-                s.dtype != "float32" for s in slots):
-            slots = ()
-        groups[len(slots)].append(
-            (grad, var, optimizer._get_variable_index(var), tuple(slots)))
-    return averager, groups
+    """Keras' class; Adam and AdamW with the fused CPU step
+    (``_common.FusedAdamStep`` over ``_jax_cpu``)."""
+    return _common.with_fused_adam(name, _jax_cpu)
 
 
 def resolve_jit_compile(requested):

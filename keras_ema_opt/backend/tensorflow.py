@@ -8,8 +8,8 @@ from keras.src.backend.tensorflow.optimizer import TFOptimizer
 
 import keras
 from keras_ema_opt.backend import _common
+from keras_ema_opt.backend import _tf_cpu
 
-keras_optimizer_class = _common.keras_optimizer_class
 value_visible = _common.value_visible
 attach_model = _common.attach_model
 prepare_model = _common.prepare_model
@@ -73,6 +73,12 @@ def lerp_averages(pairs, weight, gated=False):
                       tf.where(tf.equal(weight, 1.0), 1, 2))
     tf.switch_case(branch, [lambda: tf.constant(True), copy, mix])
     return rest
+
+
+def keras_optimizer_class(name):
+    """Keras' class; Adam and AdamW with the fused CPU step
+    (``_common.FusedAdamStep`` over ``_tf_cpu``)."""
+    return _common.with_fused_adam(name, _tf_cpu)
 
 
 class OptimizerHooks:

@@ -1,0 +1,137 @@
+// Keras' Adam update with the step's weight averages folded in, for
+// float32 tensors: one pass over each tensor, reading g, m, v, w and each
+// average once and writing m, v, w and each average once (9 floats an
+// element with one average). Shared by the JAX (XLA FFI, jax_kernels.cc)
+// and TensorFlow (custom op, tf_kernels.cc) kernels, built on first use by
+// keras_ema_opt/backend/_native.py.
+//
+// The rule is Keras' `keras.optimizers.Adam.update_step`, in float32, in
+// its order of operations (no contraction into fused multiply-adds):
+//   m <- m + (g - m) * c1           c1 = 1 - beta_1 (float32)
+//   v <- v + (g * g - v) * c2       c2 = 1 - beta_2 (float32)
+//   w <- w - (m * alpha) / (sqrt(v) + eps)
+// and each average is the averaging engine's `_mix` with the step's weight
+// u (keras_ema_opt/averaging/engine.py): `a + u (w - a)` from the nearer
+// end, the new weight copied where u is exactly 1 and the average kept
+// where u is exactly 0, whatever the values.
+
+#ifndef KERAS_EMA_OPT_ADAM_AVERAGE_H_
+#define KERAS_EMA_OPT_ADAM_AVERAGE_H_
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+namespace keras_ema_opt {
+
+constexpr int kMaxAverages = 2;
+constexpr int64_t kPiece = 16384;  // elements of a unit of work (64 kB)
+
+enum Mode : int { kMix = 0, kCopy = 1, kKeep = 2 };
+
+struct Tensor {
+  const float* g;
+  const float* m_in;
+  const float* v_in;
+  const float* w_in;
+  const float* a_in[kMaxAverages];
+  float* m;
+  float* v;
+  float* w;
+  float* a[kMaxAverages];
+};
+
+struct Piece {
+  int64_t tensor, begin, end;
+};
+
+struct Step {
+  std::vector<Tensor> tensors;
+  std::vector<Piece> pieces;
+  int averages = 0;
+  float alpha, c1, c2, eps;
+  int mode[kMaxAverages];
+  int near_average[kMaxAverages];
+  float base_weight[kMaxAverages];
+
+  // scalars: alpha, 1 - beta_1, 1 - beta_2, epsilon, then one weight u
+  // per average.
+  void SetScalars(const float* s, int k) {
+    averages = k;
+    alpha = s[0];
+    c1 = s[1];
+    c2 = s[2];
+    eps = s[3];
+    for (int j = 0; j < k; ++j) {
+      const float u = s[4 + j];
+      mode[j] = u == 1.0f ? kCopy : u == 0.0f ? kKeep : kMix;
+      near_average[j] = u < 0.5f;
+      base_weight[j] = u < 0.5f ? u : u - 1.0f;
+    }
+  }
+
+  // Cut the tensor just added into pieces of work.
+  void AddPieces(int64_t size) {
+    const int64_t i = static_cast<int64_t>(tensors.size()) - 1;
+    for (int64_t begin = 0; begin < size; begin += kPiece) {
+      pieces.push_back({i, begin, std::min(begin + kPiece, size)});
+    }
+  }
+};
+
+template <int K>
+void UpdatePiece(const Step& s, const Piece& piece) {
+  const Tensor& t = s.tensors[piece.tensor];
+  const float alpha = s.alpha, c1 = s.c1, c2 = s.c2, eps = s.eps;
+  const int64_t b = piece.begin, n = piece.end - piece.begin;
+  const float* g = t.g + b;
+  const float* m_in = t.m_in + b;
+  const float* v_in = t.v_in + b;
+  const float* w_in = t.w_in + b;
+  float* m_out = t.m + b;
+  float* v_out = t.v + b;
+  float* w_out = t.w + b;
+  const float* a_in[kMaxAverages + 1];
+  float* a_out[kMaxAverages + 1];
+  bool copy[kMaxAverages + 1], keep[kMaxAverages + 1], near[kMaxAverages + 1];
+  float step[kMaxAverages + 1];
+  for (int j = 0; j < K; ++j) {
+    a_in[j] = t.a_in[j] + b;
+    a_out[j] = t.a[j] + b;
+    copy[j] = s.mode[j] == kCopy;
+    keep[j] = s.mode[j] == kKeep;
+    near[j] = s.near_average[j];
+    step[j] = s.base_weight[j];
+  }
+  // Each element is read before it is written, by the same iteration:
+  // the outputs may be the inputs' own buffers (aliased), and no
+  // iteration depends on another.
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) {
+    const float gi = g[i];
+    const float m = m_in[i] + (gi - m_in[i]) * c1;
+    const float v = v_in[i] + (gi * gi - v_in[i]) * c2;
+    const float w = w_in[i] - (m * alpha) / (std::sqrt(v) + eps);
+    m_out[i] = m;
+    v_out[i] = v;
+    w_out[i] = w;
+    for (int j = 0; j < K; ++j) {
+      const float a = a_in[j][i];
+      const float mixed = (near[j] ? a : w) + step[j] * (w - a);
+      a_out[j][i] = copy[j] ? w : keep[j] ? a : mixed;
+    }
+  }
+}
+
+inline void RunPiece(const Step& step, const Piece& piece) {
+  switch (step.averages) {
+    case 0: UpdatePiece<0>(step, piece); break;
+    case 1: UpdatePiece<1>(step, piece); break;
+    default: UpdatePiece<2>(step, piece); break;
+  }
+}
+
+}  // namespace keras_ema_opt
+
+#endif  // KERAS_EMA_OPT_ADAM_AVERAGE_H_

@@ -1,0 +1,137 @@
+// TensorFlow on a CPU: Keras' Adam with the step's averages folded in
+// (adam_average.h) as one custom op over every variable of the step, in
+// place of Keras' per-variable ops (about ten each, and one or two per
+// average): one kernel launch and one pass over each tensor. Built by
+// keras_ema_opt/backend/_tf_cpu.py against TensorFlow's headers.
+//
+// Inputs: per variable the resource handles of its weight, first and
+// second moments and averages (3 + averages each), then its dense float32
+// gradient, then the float32 scalars of adam_average.h. The variables are
+// locked (each mutex once, in address order, as TensorFlow's training ops
+// lock theirs) and made sole owners of their buffers before they are
+// written (copy-on-write, as TensorFlow's training ops do).
+
+#define EIGEN_USE_THREADS
+
+#include <algorithm>
+#include <cstdint>
+#include <vector>
+
+#include "adam_average.h"
+#include "tensorflow/core/framework/op.h"
+#include "tensorflow/core/framework/op_kernel.h"
+#include "tensorflow/core/framework/resource_mgr.h"
+#include "tensorflow/core/framework/shape_inference.h"
+#include "tensorflow/core/kernels/training_op_helpers.h"
+
+namespace tensorflow {
+namespace {
+
+using CPUDevice = Eigen::ThreadPoolDevice;
+
+REGISTER_OP("KerasEmaOptAdamAverage")
+    .Input("handles: num_handles * resource")
+    .Input("grads: num_variables * float")
+    .Input("scalars: float")
+    .Attr("num_handles: int >= 3")
+    .Attr("num_variables: int >= 1")
+    .Attr("averages: int >= 0")
+    .SetIsStateful()
+    .SetShapeFn(shape_inference::NoOutputs);
+
+class AdamAverageOp : public OpKernel {
+ public:
+  explicit AdamAverageOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("num_variables", &num_variables_));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("averages", &averages_));
+    OP_REQUIRES(ctx, averages_ <= keras_ema_opt::kMaxAverages,
+                errors::InvalidArgument("averages must be 0 to 2"));
+    int num_handles = 0;
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("num_handles", &num_handles));
+    OP_REQUIRES(ctx, num_handles == num_variables_ * (3 + averages_),
+                errors::InvalidArgument("3 + averages handles a variable"));
+  }
+
+  void Compute(OpKernelContext* ctx) override {
+    const int per = 3 + averages_;
+    const int handles = num_variables_ * per;
+    const Tensor& scalars = ctx->input(handles + num_variables_);
+    OP_REQUIRES(ctx, scalars.NumElements() == 4 + averages_,
+                errors::InvalidArgument("expected ", 4 + averages_,
+                                        " scalars, got ",
+                                        scalars.NumElements()));
+    std::vector<core::RefCountPtr<Var>> vars(handles);
+    std::vector<mutex*> mutexes;
+    mutexes.reserve(handles);
+    for (int i = 0; i < handles; ++i) {
+      OP_REQUIRES_OK(ctx,
+                     LookupResource(ctx, HandleFromInput(ctx, i), &vars[i]));
+      mutexes.push_back(vars[i]->mu());
+    }
+    std::sort(mutexes.begin(), mutexes.end());
+    mutexes.erase(std::unique(mutexes.begin(), mutexes.end()),
+                  mutexes.end());
+    OP_REQUIRES(ctx, static_cast<int>(mutexes.size()) == handles,
+                errors::InvalidArgument("a variable is given twice"));
+    std::vector<mutex_lock> locks;
+    locks.reserve(mutexes.size());
+    for (mutex* mu : mutexes) locks.emplace_back(*mu);
+
+    keras_ema_opt::Step step;
+    step.SetScalars(scalars.flat<float>().data(), averages_);
+    step.tensors.reserve(num_variables_);
+    std::vector<Tensor> held;  // the buffers written, alive to the end
+    held.reserve(handles);
+    for (int v = 0; v < num_variables_; ++v) {
+      const Tensor& grad = ctx->input(handles + v);
+      float* buffers[3 + keras_ema_opt::kMaxAverages];
+      for (int k = 0; k < per; ++k) {
+        Var* var = vars[v * per + k].get();
+        OP_REQUIRES(ctx, var->tensor()->IsInitialized(),
+                    errors::FailedPrecondition("uninitialized variable"));
+        OP_REQUIRES(ctx, var->tensor()->dtype() == DT_FLOAT,
+                    errors::InvalidArgument("variables must be float32"));
+        OP_REQUIRES(ctx, var->tensor()->shape() == grad.shape(),
+                    errors::InvalidArgument(
+                        "variable ", v, " has shape ",
+                        var->tensor()->shape().DebugString(),
+                        ", its gradient or slot ",
+                        grad.shape().DebugString()));
+        OP_REQUIRES_OK(ctx, PrepareToUpdateVariable<CPUDevice, float>(
+                                ctx, var->tensor(),
+                                var->copy_on_read_mode.load()));
+        held.push_back(*var->tensor());
+        buffers[k] = held.back().flat<float>().data();
+      }
+      keras_ema_opt::Tensor t{};
+      t.g = grad.flat<float>().data();
+      t.w_in = t.w = buffers[0];
+      t.m_in = t.m = buffers[1];
+      t.v_in = t.v = buffers[2];
+      for (int j = 0; j < averages_; ++j) {
+        t.a_in[j] = t.a[j] = buffers[3 + j];
+      }
+      step.tensors.push_back(t);
+      step.AddPieces(grad.NumElements());
+    }
+    auto* workers = ctx->device()->tensorflow_cpu_worker_threads()->workers;
+    const int64_t pieces = static_cast<int64_t>(step.pieces.size());
+    // A piece of 16,384 elements moves about 600 kB: always worth a thread.
+    workers->ParallelFor(pieces, /*cost_per_unit=*/1 << 20,
+                         [&step](int64_t begin, int64_t end) {
+                           for (int64_t p = begin; p < end; ++p) {
+                             keras_ema_opt::RunPiece(step, step.pieces[p]);
+                           }
+                         });
+  }
+
+ private:
+  int num_variables_ = 0;
+  int averages_ = 0;
+};
+
+REGISTER_KERNEL_BUILDER(Name("KerasEmaOptAdamAverage").Device(DEVICE_CPU),
+                        AdamAverageOp);
+
+}  // namespace
+}  // namespace tensorflow
