@@ -1347,8 +1347,10 @@ def test_jax_cpu_kernel_steps_an_ensemble_and_is_differentiable(
 
 _FAKE_COMPILER = """#!/bin/sh
 if [ "$1" = "--version" ]; then echo "fake 1.0"; exit 0; fi
-for last; do :; done
-echo partial > "$last"
+while [ "$#" -gt 0 ]; do
+  if [ "$1" = "-o" ]; then echo partial > "$2"; fi
+  shift
+done
 echo "fake: cannot compile" >&2
 exit 1
 """
