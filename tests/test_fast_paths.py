@@ -1168,6 +1168,21 @@ def _kernel_problem():
     return weights, grads
 
 
+def _train_in_function(optimizer, weights, grads, jit_compile=False):
+    """TensorFlow: each step in one ``tf.function`` (traced once)."""
+    import tensorflow as tf
+
+    variables = [keras.Variable(w) for w in weights]
+
+    @tf.function(jit_compile=jit_compile)
+    def step(given):
+        optimizer.apply_gradients(zip(given, variables))
+
+    for given in grads:
+        step([tf.constant(g) for g in given])
+    return variables
+
+
 def _ready_kernel():
     kernel = _cpu_kernel()
     ready, reason = kernel.status()
@@ -1187,7 +1202,11 @@ def test_cpu_kernel_equals_keras_and_the_engine_to_the_bit(
         calls = _Calls(monkeypatch, "apply", kernel)
         opt = getattr(keras_ema_opt, name)(
             averaging=averaging, jit_compile=jit_compile, **kwargs)
-        variables, _ = _train(opt, weights, grads)
+        if jit_compile and BACKEND == "tensorflow":
+            # No XLA on a CPU (Keras 2's rule): the step in a graph.
+            variables = _train_in_function(opt, weights, grads)
+        else:
+            variables, _ = _train(opt, weights, grads)
         return _state_of(opt, variables), opt, calls.count
 
     fused_compiled, _, compiled_calls = train(True)
@@ -1300,6 +1319,34 @@ def test_cpu_kernel_leaves_what_it_cannot_take_to_keras(monkeypatch,
         tolerance = 4 * float(np.finfo(b.dtype).eps)  # a rounding or two
         np.testing.assert_allclose(a.astype(np.float64), b, rtol=tolerance,
                                    atol=tolerance)
+
+
+@only_on("tensorflow")
+def test_tf_cpu_kernel_stays_out_of_xla_and_sparse_gradients(monkeypatch):
+    """The op has no XLA kernel and takes dense gradients: a step XLA
+    compiles, and one with an ``IndexedSlices`` gradient, run Keras' own
+    step, and the averages as before."""
+    import tensorflow as tf
+
+    kernel = _ready_kernel()
+    calls = _Calls(monkeypatch, "apply", kernel)
+    weights, grads = _kernel_problem()
+    averaging = keras_ema_opt.EMA(0.9)
+    ours = _train_in_function(keras_ema_opt.Adam(0.05, averaging=averaging),
+                              weights, grads, jit_compile=True)
+    assert calls.count == 0
+    theirs, _ = _train(keras.optimizers.Adam(0.05), weights, grads)
+    for a, b in zip(ours, theirs):
+        np.testing.assert_allclose(to_numpy(a), to_numpy(b), rtol=1e-6,
+                                   atol=1e-6)
+    opt = keras_ema_opt.Adam(0.05, averaging=averaging)
+    variable = keras.Variable(weights[0])
+    sparse = tf.IndexedSlices(tf.constant(grads[0][0][:2]),
+                              tf.constant([0, 1]), tf.constant([4, 3]))
+    opt.apply_gradients([(sparse, variable)])
+    assert calls.count == 0
+    assert not np.array_equal(to_numpy(variable)[:2], weights[0][:2])
+    np.testing.assert_array_equal(to_numpy(variable)[2:], weights[0][2:])
 
 
 @only_on("jax")

@@ -96,12 +96,22 @@ def compiler():
     return None
 
 
-def build(name, sources, flags, versions, load):
+def accepts(flag):
+    """Whether the compiler takes ``flag`` (GCC refuses an unknown
+    ``-mno-...``)."""
+    done = subprocess.run(
+        [*compiler(), "-fsyntax-only", "-x", "c++", flag, "-"],
+        input="", capture_output=True, text=True, timeout=60)
+    return done.returncode == 0
+
+
+def build(name, sources, flags, versions, load, load_errors=(OSError,)):
     """``load(path)`` of the shared library built from ``sources`` (the
     first is compiled, the others are headers it includes) with ``flags``
-    after :data:`FLAGS`: from the cache, or compiled anew; a damaged
-    cached file is rebuilt once. ``versions``: what else the build
-    depends on (the framework's version)."""
+    after :data:`FLAGS`: from the cache, or compiled anew; a cached file
+    ``load`` refuses (``load_errors``: damaged) is rebuilt once.
+    ``versions``: what else the build depends on (the framework's
+    version)."""
     command = compiler()
     version = subprocess.run([*command, "--version"], capture_output=True,
                              text=True, check=True, timeout=60).stdout
@@ -117,7 +127,7 @@ def build(name, sources, flags, versions, load):
         _compile(command, HERE / sources[0], flags, target)
     try:
         return load(target)
-    except OSError:  # a damaged file in the cache: build it again, once
+    except load_errors:  # a damaged file in the cache: build it again, once
         target.unlink(missing_ok=True)
         _compile(command, HERE / sources[0], flags, target)
         return load(target)

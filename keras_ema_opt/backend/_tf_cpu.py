@@ -18,6 +18,7 @@ import platform
 import tensorflow as tf
 from tensorflow.python.framework import ops as tf_ops
 from tensorflow.python.ops import control_flow_util
+from tensorflow.python.saved_model import save_context
 
 import keras
 from keras_ema_opt.backend import _native
@@ -27,9 +28,11 @@ MAX_AVERAGES = 2
 
 def _flags():
     flags = [*tf.sysconfig.get_compile_flags(), *tf.sysconfig.get_link_flags()]
-    if platform.machine() in ("x86_64", "AMD64"):
+    if platform.machine() in ("x86_64", "AMD64") and _native.accepts(
+            "-mno-avx512fp16"):
         # Eigen's AVX512-FP16 code in TensorFlow's headers does not build
-        # with GCC 12; the kernel has no use for half precision.
+        # with GCC 12 where `-march=native` turns it on; the kernel has no
+        # use for half precision (older compilers know neither).
         flags.append("-mno-avx512fp16")
     return tuple(flags)
 
@@ -40,7 +43,7 @@ def _load():
 
     _native.build("tf_adam_average", ("tf_kernels.cc", "adam_average.h"),
                   _flags(), (tf.__version__, tf.sysconfig.get_build_info()),
-                  load)
+                  load, load_errors=(OSError, tf.errors.OpError))
     return None
 
 
@@ -51,19 +54,27 @@ status = _kernel.status
 def serves(grads, variables):
     """Whether the op can update these variables with these gradients:
     dense float32 gradients and float32 variables on a CPU, no strategy,
-    and not inside a function XLA compiles (the op has no XLA kernel)."""
+    not inside a function XLA compiles (the op has no XLA kernel), nor
+    one traced to be saved (a SavedModel would need the op's library to
+    load)."""
     if tf.distribute.has_strategy() or tf.config.list_logical_devices("GPU"):
         return False
     if control_flow_util.GraphOrParentsInXlaContext(
-            tf_ops.get_default_graph()):
+            tf_ops.get_default_graph()) or save_context.in_save_context():
         return False
     for grad, var in zip(grads, variables):
         value = _tf_variable(var)
         if (not isinstance(grad, tf.Tensor) or grad.dtype != tf.float32
                 or value.dtype != tf.float32
-                or isinstance(value, tf.distribute.DistributedValues)):
+                or isinstance(value, tf.distribute.DistributedValues)
+                or not _on_cpu(value)):
             return False
     return _kernel.serves()
+
+
+def _on_cpu(variable):
+    device = getattr(variable, "device", "") or ""
+    return tf.DeviceSpec.from_string(device).device_type in (None, "CPU")
 
 
 def apply(optimizer, scalars, members, averages):
