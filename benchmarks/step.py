@@ -87,12 +87,18 @@ def keras_step(kind):
     if BACKEND == "tensorflow":
         import tensorflow as tf
 
+        from keras_ema_opt import backend
+
         # The concrete function, called directly: a `tf.function` call
         # first looks its trace up by hashing every captured tensor and
         # variable (about 1 ms a step for these 1,000), which is the
         # caller's cost, not the step's. The peers are called the same way.
+        # Keras' own step under XLA; ours as it runs: under XLA with a
+        # GPU, and on a CPU in a graph, where its Adam is one custom op.
+        jit = not kind.startswith("ours") or backend.resolve_jit_compile(
+            True)
         fn = tf.function(lambda: opt.apply(grads, variables),
-                         jit_compile=True).get_concrete_function()
+                         jit_compile=jit).get_concrete_function()
         return fn, lambda: opt.iterations.numpy()
     import jax
 

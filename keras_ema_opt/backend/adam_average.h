@@ -25,7 +25,7 @@
 
 namespace keras_ema_opt {
 
-constexpr int kMaxAverages = 2;
+constexpr int kMaxAverages = 2;  // UpdatePiece spells out each
 constexpr int64_t kPiece = 16384;  // elements of a unit of work (64 kB)
 
 enum Mode : int { kMix = 0, kCopy = 1, kKeep = 2 };
@@ -80,6 +80,13 @@ struct Step {
   }
 };
 
+// The average's update: the engine's `_mix`.
+inline float Mix(float a, float w, bool copy, bool keep, bool near,
+                 float step) {
+  const float mixed = (near ? a : w) + step * (w - a);
+  return copy ? w : keep ? a : mixed;
+}
+
 template <int K>
 void UpdatePiece(const Step& s, const Piece& piece) {
   const Tensor& t = s.tensors[piece.tensor];
@@ -92,18 +99,20 @@ void UpdatePiece(const Step& s, const Piece& piece) {
   float* m_out = t.m + b;
   float* v_out = t.v + b;
   float* w_out = t.w + b;
-  const float* a_in[kMaxAverages + 1];
-  float* a_out[kMaxAverages + 1];
-  bool copy[kMaxAverages + 1], keep[kMaxAverages + 1], near[kMaxAverages + 1];
-  float step[kMaxAverages + 1];
-  for (int j = 0; j < K; ++j) {
-    a_in[j] = t.a_in[j] + b;
-    a_out[j] = t.a[j] + b;
-    copy[j] = s.mode[j] == kCopy;
-    keep[j] = s.mode[j] == kKeep;
-    near[j] = s.near_average[j];
-    step[j] = s.base_weight[j];
-  }
+  // The averages' pointers and rules as locals, one set each (an array
+  // of pointers indexed in the loop keeps GCC from vectorizing it).
+  const float* a0_in = K > 0 ? t.a_in[0] + b : nullptr;
+  const float* a1_in = K > 1 ? t.a_in[1] + b : nullptr;
+  float* a0_out = K > 0 ? t.a[0] + b : nullptr;
+  float* a1_out = K > 1 ? t.a[1] + b : nullptr;
+  const bool copy0 = K > 0 && s.mode[0] == kCopy;
+  const bool keep0 = K > 0 && s.mode[0] == kKeep;
+  const bool near0 = K > 0 && s.near_average[0];
+  const float step0 = K > 0 ? s.base_weight[0] : 0.0f;
+  const bool copy1 = K > 1 && s.mode[1] == kCopy;
+  const bool keep1 = K > 1 && s.mode[1] == kKeep;
+  const bool near1 = K > 1 && s.near_average[1];
+  const float step1 = K > 1 ? s.base_weight[1] : 0.0f;
   // Each element is read before it is written, by the same iteration:
   // the outputs may be the inputs' own buffers (aliased), and no
   // iteration depends on another.
@@ -116,11 +125,8 @@ void UpdatePiece(const Step& s, const Piece& piece) {
     m_out[i] = m;
     v_out[i] = v;
     w_out[i] = w;
-    for (int j = 0; j < K; ++j) {
-      const float a = a_in[j][i];
-      const float mixed = (near[j] ? a : w) + step[j] * (w - a);
-      a_out[j][i] = copy[j] ? w : keep[j] ? a : mixed;
-    }
+    if (K > 0) a0_out[i] = Mix(a0_in[i], w, copy0, keep0, near0, step0);
+    if (K > 1) a1_out[i] = Mix(a1_in[i], w, copy1, keep1, near1, step1);
   }
 }
 
