@@ -21,9 +21,9 @@ from conftest import only_on
 from conftest import to_numpy
 
 
-def _problem(dtypes=("float32", "float32", "float64")):
+def _problem(dtypes=("float32", "float32", "float64"),
+             shapes=((4, 3), (5,), (2, 3, 2))):
     rng = np.random.default_rng(0)
-    shapes = [(4, 3), (5,), (2, 3, 2)]
     weights = [rng.normal(size=s).astype(d) for s, d in zip(shapes, dtypes)]
     grads = [[rng.normal(size=s).astype(d) for s, d in zip(shapes, dtypes)]
              for _ in range(6)]
@@ -1160,12 +1160,7 @@ def test_cpu_kernel_is_built_where_a_compiler_is():
 def _kernel_problem():
     """Three float32 tensors, one of 40,200 elements: the kernel's pieces
     of 16,384 (two whole, a tail) taken by more than one thread."""
-    rng = np.random.default_rng(0)
-    shapes = [(4, 3), (5,), (200, 201)]
-    weights = [rng.normal(size=s).astype("float32") for s in shapes]
-    grads = [[rng.normal(size=s).astype("float32") for s in shapes]
-             for _ in range(6)]
-    return weights, grads
+    return _problem(("float32",) * 3, shapes=((4, 3), (5,), (200, 201)))
 
 
 def _train_in_function(optimizer, weights, grads, jit_compile=False):

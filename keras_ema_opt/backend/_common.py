@@ -204,9 +204,8 @@ class FusedAdamStep:
         beta_2_power = ops.power(ops.cast(self.beta_2, "float32"),
                                  local_step)
         alpha = lr * ops.sqrt(1 - beta_2_power) / (1 - beta_1_power)
-        # As Keras' step rounds them: the Python numbers to float32.
-        constants = [alpha] + [ops.convert_to_tensor(c, "float32") for c in (
-            1 - self.beta_1, 1 - self.beta_2, self.epsilon)]
+        # The Python numbers rounded to float32 below, as Keras' step does.
+        constants = [alpha, 1 - self.beta_1, 1 - self.beta_2, self.epsilon]
         averager, groups = plan
         folding = any(groups[1:])
         weights = averager.fold_weights(self) if folding else []

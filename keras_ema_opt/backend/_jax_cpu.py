@@ -21,7 +21,7 @@ import numpy as np
 from keras_ema_opt.backend import _native
 
 _TARGET = "keras_ema_opt_adam_average"
-MAX_AVERAGES = 2
+MAX_AVERAGES = _native.MAX_AVERAGES
 
 
 def _load():
@@ -38,7 +38,6 @@ def _load():
                   (f"-I{jax.ffi.include_dir()}",),
                   (jax.__version__, getattr(jaxlib, "__version__", "")),
                   register)
-    return None
 
 
 _kernel = _native.Kernel("JAX's Adam step on a CPU", _load)

@@ -33,6 +33,7 @@ import threading
 import time
 
 HERE = pathlib.Path(__file__).parent
+MAX_AVERAGES = 2  # adam_average.h's kMaxAverages
 FLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC", "-fopenmp-simd",
          "-fno-math-errno", "-ffp-contract=off", "-march=native", "-w")
 
@@ -40,9 +41,8 @@ _log = logging.getLogger("keras_ema_opt")
 
 
 class Kernel:
-    """A kernel loaded once per process by ``load()``, which returns None
-    when it serves, or the reason it does not; an exception it raises is
-    that reason too."""
+    """A kernel loaded once per process by ``load()``; an exception it
+    raises is the reason it does not serve."""
 
     def __init__(self, what, load):
         self._what, self._load = what, load
@@ -62,10 +62,12 @@ class Kernel:
         return self.ready
 
     def _try(self):
-        try:
-            reason = _unavailable() or self._load()
-        except Exception as error:  # a failed build serves nothing
-            reason = f"{type(error).__name__}: {error}"
+        reason = _unavailable()
+        if reason is None:
+            try:
+                self._load()
+            except Exception as error:  # a failed build serves nothing
+                reason = f"{type(error).__name__}: {error}"
         self.ready, self.reason = reason is None, reason
         if reason is not None:
             _log.info("keras_ema_opt: %s runs as the framework's own step "

@@ -23,7 +23,7 @@ from tensorflow.python.saved_model import save_context
 import keras
 from keras_ema_opt.backend import _native
 
-MAX_AVERAGES = 2
+MAX_AVERAGES = _native.MAX_AVERAGES
 
 
 def _flags():
@@ -44,7 +44,6 @@ def _load():
     _native.build("tf_adam_average", ("tf_kernels.cc", "adam_average.h"),
                   _flags(), (tf.__version__, tf.sysconfig.get_build_info()),
                   load, load_errors=(OSError, tf.errors.OpError))
-    return None
 
 
 _kernel = _native.Kernel("TensorFlow's Adam step on a CPU", _load)
@@ -63,7 +62,7 @@ def serves(grads, variables):
             tf_ops.get_default_graph()) or save_context.in_save_context():
         return False
     for grad, var in zip(grads, variables):
-        value = _tf_variable(var)
+        value = tf_variable(var)
         if (not isinstance(grad, tf.Tensor) or grad.dtype != tf.float32
                 or value.dtype != tf.float32
                 or isinstance(value, tf.distribute.DistributedValues)
@@ -83,12 +82,13 @@ def apply(optimizer, scalars, members, averages):
     are updated in place."""
     handles, grads = [], []
     for grad, var, i, slots in members:
-        handles += [_tf_variable(v).handle for v in (
+        handles += [tf_variable(v).handle for v in (
             var, optimizer._momentums[i], optimizer._velocities[i], *slots)]
         grads.append(grad)
     _kernel.ops.keras_ema_opt_adam_average(
         handles=handles, grads=grads, scalars=scalars, averages=averages)
 
 
-def _tf_variable(variable):
+def tf_variable(variable):
+    """The ``tf.Variable`` behind a Keras variable (or the variable)."""
     return variable.value if isinstance(variable, keras.Variable) else variable

@@ -20,6 +20,7 @@ step_gradients = _common.step_gradients
 mark_step_made = _common.mark_step_made
 sync_initial_state = _common.sync_initial_state
 chief_only_scope = _common.chief_only_scope
+_tf_variable = _tf_cpu.tf_variable
 
 
 def lerp_averages(pairs, weight, gated=False):
@@ -164,10 +165,6 @@ def compute_gradients(loss, var_list, tape=None):
     var_list = list(var_list)
     grads = tape.gradient(loss, [_tf_variable(v) for v in var_list])
     return list(zip(grads, var_list))
-
-
-def _tf_variable(variable):
-    return variable.value if isinstance(variable, keras.Variable) else variable
 
 
 def aggregate_gradients(optimizer, grads_and_vars):
