@@ -1,8 +1,10 @@
-"""What the host pays per state array in a JAX ``fit()`` step, whatever
-the arrays hold: the averages' share of a step bound by its host, not by
-its kernels (a small model, or a GPU running the fit benchmark's MLP).
+"""What the host pays per state array in a JAX or TensorFlow ``fit()``
+step, whatever the arrays hold: the averages' share of a step bound by
+its host, not by its kernels (a small model, or a GPU running the fit
+benchmark's MLP).
 
     KERAS_BACKEND=jax python -m benchmarks.host [--arrays 360] [--extra 120]
+    KERAS_BACKEND=tensorflow python -m benchmarks.host [...]
 
 Keras' JAX ``fit()`` passes the model's and the optimizer's state through
 one donating ``jax.jit`` call a step, and after it stores the new state on
@@ -20,6 +22,15 @@ without an average, 120 averaged variables), the median of
 - ``jit_round_trip``: the same call and waiting for its results;
 - ``state_tracking``: Keras' assignment of a state dict of that many
   arrays to a model.
+
+Keras' TensorFlow ``fit()`` runs a ``tf.function`` a step that captures
+each variable it uses (the optimizer's step takes the handles of the
+weights, the moments and the averages), and each call passes every
+captured handle in:
+
+- ``function_captures``: the call of a ``tf.function`` that captures
+  that many variables of four floats and does nothing with them (one
+  ``NoOp`` after their handles), until it returns.
 
 The fit step itself at a size where the host bounds it is the fit
 benchmark with narrow layers (``KEO_BENCH_WIDTH=4 python -m
@@ -83,30 +94,53 @@ def tracking_seconds(n, repeats=common.REPEATS):
     return seconds
 
 
+def capture_seconds(n, repeats=common.REPEATS):
+    """Seconds of a call of a ``tf.function`` capturing ``n`` variables of
+    four floats (a ``NoOp`` after their handles)."""
+    import tensorflow as tf
+
+    variables = [tf.Variable(tf.zeros(4) + i) for i in range(n)]
+
+    @tf.function
+    def call():
+        tf.group(*[v.handle for v in variables])
+
+    call()  # traced once
+    return common.median_time(call, _nothing, repeats=repeats)
+
+
 def run(arrays=360, extra=120, repeats=common.REPEATS):
     """Emit each measurement at ``arrays`` and ``arrays + extra`` arrays,
     and its cost per added array; return the records."""
-    if BACKEND != "jax":
+    if BACKEND not in ("jax", "tensorflow"):
         raise ValueError(
-            "benchmarks.host measures JAX's fit() step: run it with "
-            f"KERAS_BACKEND=jax. Received: KERAS_BACKEND={BACKEND!r}.")
+            "benchmarks.host measures JAX's and TensorFlow's fit() step: "
+            "run it with KERAS_BACKEND=jax or tensorflow. Received: "
+            f"KERAS_BACKEND={BACKEND!r}.")
     if arrays < 1 or extra < 1:
         raise ValueError("benchmarks.host: --arrays and --extra must be at "
                          f"least 1. Received: arrays={arrays}, "
                          f"extra={extra}.")
-    import jax
+    if BACKEND == "tensorflow":
+        import tensorflow as tf
 
-    platform = jax.devices()[0].platform
-    timings = {"jit_dispatch": [], "jit_round_trip": [],
-               "state_tracking": []}
-    for n in (arrays, arrays + extra):
-        dispatched, round_trip = jit_seconds(n, repeats)
-        timings["jit_dispatch"].append(dispatched)
-        timings["jit_round_trip"].append(round_trip)
-        timings["state_tracking"].append(tracking_seconds(n, repeats))
+        platform = "gpu" if tf.config.list_logical_devices("GPU") else "cpu"
+        timings = {"function_captures": [capture_seconds(n, repeats)
+                                         for n in (arrays, arrays + extra)]}
+    else:
+        import jax
+
+        platform = jax.devices()[0].platform
+        timings = {"jit_dispatch": [], "jit_round_trip": [],
+                   "state_tracking": []}
+        for n in (arrays, arrays + extra):
+            dispatched, round_trip = jit_seconds(n, repeats)
+            timings["jit_dispatch"].append(dispatched)
+            timings["jit_round_trip"].append(round_trip)
+            timings["state_tracking"].append(tracking_seconds(n, repeats))
     records = []
     for what, (base, more) in timings.items():
-        record = {"bench": "host", "backend": "jax", "platform": platform,
+        record = {"bench": "host", "backend": BACKEND, "platform": platform,
                   "what": what, "arrays": arrays, "extra": extra,
                   "seconds": base, "seconds_extra": more,
                   "per_array": (more - base) / extra}

@@ -731,21 +731,23 @@ def test_committed_tables_rebuild_from_their_results(tmp_path, device):
         assert (tmp_path / name).read_text() == committed, name
 
 
-@pytest.mark.skipif(BACKEND != "jax", reason="JAX's fit() step's host")
+@pytest.mark.skipif(BACKEND not in ("jax", "tensorflow"),
+                    reason="JAX's and TensorFlow's fit() step's host")
 def test_host_benchmark_prices_each_added_array():
     """Each measurement at two counts of arrays, and the cost per array
     added is their difference over the arrays added."""
     out = run_python("-m", "benchmarks.host", "--arrays", "8", "--extra",
-                     "4", backend="jax", timeout=300,
+                     "4", backend=BACKEND, timeout=300,
                      KEO_BENCH_REPEATS="5").stdout
     records = _bench_lines(out)
-    assert [r["what"] for r in records] == [
-        "jit_dispatch", "jit_round_trip", "state_tracking"]
+    whats = {"jax": ["jit_dispatch", "jit_round_trip", "state_tracking"],
+             "tensorflow": ["function_captures"]}[BACKEND]
+    assert [r["what"] for r in records] == whats
     for r in records:
-        assert (r["arrays"], r["extra"]) == (8, 4)
+        assert (r["arrays"], r["extra"], r["backend"]) == (8, 4, BACKEND)
         assert r["seconds"] > 0 and r["seconds_extra"] > 0
         assert r["per_array"] == (r["seconds_extra"] - r["seconds"]) / 4
-    assert f"| state_tracking | {records[0]['platform']} | 8 | " in out
+    assert f"| {whats[-1]} | {records[0]['platform']} | 8 | " in out
 
 
 def test_host_benchmark_refuses_another_backend_and_no_arrays(
@@ -755,8 +757,8 @@ def test_host_benchmark_refuses_another_backend_and_no_arrays(
     monkeypatch.setattr(host, "BACKEND", "torch")
     with pytest.raises(SystemExit):
         host.main([])
-    assert "KERAS_BACKEND=jax. Received: KERAS_BACKEND='torch'" in \
-        capsys.readouterr().err
+    assert ("KERAS_BACKEND=jax or tensorflow. Received: "
+            "KERAS_BACKEND='torch'") in capsys.readouterr().err
     monkeypatch.setattr(host, "BACKEND", "jax")
     with pytest.raises(SystemExit):
         host.main(["--arrays", "0"])

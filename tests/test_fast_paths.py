@@ -1142,8 +1142,13 @@ _KERNEL_CASES = [
     ("Adam", dict(learning_rate=0.05), keras_ema_opt.EMA(0.9, debias=True)),
     ("AdamW", dict(learning_rate=0.05, weight_decay=0.02),
      keras_ema_opt.PowerEMA()),
+    ("AdamW", dict(learning_rate=0.05, weight_decay=0.02), None),
+    ("Adam", dict(learning_rate=0.05, weight_decay=0.01),
+     keras_ema_opt.EMA(0.9)),
     ("Adam", dict(learning_rate=0.05, gradient_accumulation_steps=2),
      keras_ema_opt.EMA(0.9)),
+    ("AdamW", dict(learning_rate=0.05, weight_decay=0.02,
+                   gradient_accumulation_steps=2), keras_ema_opt.EMA(0.9)),
 ]
 
 
@@ -1223,11 +1228,11 @@ def test_cpu_kernel_equals_keras_and_the_engine_to_the_bit(
                     [*map(to_numpy, keras_own)]
                     + [to_numpy(s) for slots in their_slots for s in slots]):
         np.testing.assert_array_equal(a, b)
-    # Compiled, the kernel computes the same; what XLA computes around it
-    # (AdamW's decay, the debias state and its weight, the averages under
-    # accumulation) it rounds otherwise than op by op, to the last bit.
-    plain = name == "Adam" and not kwargs.get(
-        "gradient_accumulation_steps") and not getattr(
+    # Compiled, the kernel computes the same (the weight decay in its
+    # pass); what XLA computes around it (the debias state and its weight;
+    # under accumulation the decay and the averages) it rounds otherwise
+    # than op by op, to the last bit.
+    plain = not kwargs.get("gradient_accumulation_steps") and not getattr(
         averaging, "debias", False)
     for a, b in zip(fused_compiled, fused_eager):
         if plain:
@@ -1265,6 +1270,62 @@ def test_fit_takes_the_cpu_kernel_and_trains_as_without(
         np.testing.assert_allclose(a, b, rtol=2e-6, atol=1e-7)
 
 
+@only_on("jax", "tensorflow")
+@pytest.mark.parametrize("compiled", [False, True])
+def test_cpu_kernel_decays_the_weights_keras_decays(monkeypatch, compiled):
+    """AdamW's decay in the kernel's pass, for the variables Keras decays
+    (one excluded here): Keras' own AdamW op by op, to the bit; the
+    decayed and the excluded variables in a kernel call each, and no
+    decay of Keras' run besides."""
+    kernel = _ready_kernel()
+    weights, grads = _kernel_problem()
+    calls = []
+    real = kernel.apply
+
+    def recorded(optimizer, scalars, members, averages, decay=False):
+        calls.append((len(members), averages, decay))
+        return real(optimizer, scalars, members, averages, decay)
+
+    monkeypatch.setattr(kernel, "apply", recorded)
+    decays = []  # Keras' own decay of a step, where it runs
+    for cls in keras.optimizers.AdamW.__mro__:
+        if "_apply_weight_decay" in vars(cls):
+            def counted(self, variables,
+                        original=vars(cls)["_apply_weight_decay"]):
+                decays.append(len(variables))
+                return original(self, variables)
+            monkeypatch.setattr(cls, "_apply_weight_decay", counted)
+
+    def train(opt, in_function=False):
+        variables = [keras.Variable(w) for w in weights]
+        opt.exclude_from_weight_decay(var_list=[variables[1]])
+
+        def step(given):
+            opt.apply_gradients(zip(given, variables))
+        if in_function:
+            import tensorflow as tf
+
+            step = tf.function(step)
+        for given in grads:
+            step([keras.ops.convert_to_tensor(g) for g in given])
+        return [to_numpy(v) for v in variables]
+
+    ours = train(keras_ema_opt.AdamW(
+        learning_rate=0.05, weight_decay=0.02, jit_compile=compiled,
+        averaging=keras_ema_opt.EMA(0.9)),
+        in_function=compiled and BACKEND == "tensorflow")
+    assert calls and all(averages == 1 for _, averages, _ in calls)
+    assert {(n, decay) for n, _, decay in calls} == {(2, True), (1, False)}
+    assert not decays  # Keras' own decay never ran
+    # Keras' own op by op (in a TensorFlow graph, Grappler rewrites its
+    # arithmetic: a last bit otherwise).
+    theirs = train(keras.optimizers.AdamW(learning_rate=0.05,
+                                          weight_decay=0.02))
+    assert decays
+    for a, b in zip(ours, theirs):
+        np.testing.assert_array_equal(a, b)
+
+
 class _OwnRuleAdam(keras_ema_opt.Adam):
     def update_step(self, gradient, variable, learning_rate):
         self.assign_sub(variable, 100.0 * gradient)
@@ -1278,7 +1339,8 @@ def test_cpu_kernel_leaves_what_it_cannot_take_to_keras(monkeypatch,
                                                            case):
     kernel = _ready_kernel()
     calls = _Calls(monkeypatch, "apply", kernel)
-    kwargs = dict(learning_rate=0.05)
+    # With a weight decay: Keras' own step, where it runs, decays first.
+    kwargs = dict(learning_rate=0.05, weight_decay=0.01)
     dtypes = ("float32",) * 3
     cls, keras_cls = keras_ema_opt.Adam, keras.optimizers.Adam
     if case == "amsgrad":
@@ -1287,6 +1349,7 @@ def test_cpu_kernel_leaves_what_it_cannot_take_to_keras(monkeypatch,
         dtypes = ("float32", "float16", "float32")
     if case == "own rule":
         cls = _OwnRuleAdam
+        kwargs.pop("weight_decay")
     if case == "numpy betas":
         kwargs.update(beta_1=np.float32(0.9), beta_2=np.float32(0.99))
     weights, grads = _problem(dtypes)

@@ -172,28 +172,49 @@ def _with_fused_step(cls, kernel):
 
 
 class FusedAdamStep:
-    """Keras' Adam update (``AdamW``: its decoupled decay is applied before,
-    by Keras) on a CPU as one C++ kernel over every float32 variable of
-    the step, with the step's averages folded in (``adam_average.h``):
-    one pass over each tensor, in place of Keras' ops per variable (and,
-    on JAX, XLA's CPU loops, one per output, which read the new moments
-    and weights back). The rule is Keras', in float32 and in its order of
-    operations, with the step size ``alpha = lr sqrt(1 - b2^t) / (1 -
-    b1^t)`` computed by the same ``keras.ops`` as Keras' own step: equal to
-    Keras' step op by op, to the bit (tested). Where the kernel cannot
-    serve (see :func:`fused_adam_plan` and the backend's ``serves``),
-    Keras' own step runs.
+    """Keras' Adam update on a CPU as one C++ kernel over every float32
+    variable of the step, with its decoupled weight decay (AdamW, or Adam
+    with ``weight_decay``) and the step's averages folded in
+    (``adam_average.h``): one pass over each tensor, in place of Keras'
+    ops per variable (and, on JAX, XLA's CPU loops, one per output, which
+    read the new moments and weights back). The rule is Keras', in float32
+    and in its order of operations, with the step size ``alpha = lr sqrt(1
+    - b2^t) / (1 - b1^t)`` computed by the same ``keras.ops`` as Keras' own
+    step: equal to Keras' step op by op, to the bit (tested). Where the
+    kernel cannot serve (see :func:`fused_adam_plan` and the backend's
+    ``serves``), Keras' own step runs, its weight decay first.
 
     ``_fused_kernel``: the backend's kernel module, with ``serves(grads,
-    variables)`` and ``apply(optimizer, scalars, members, averages)``.
+    variables)`` and ``apply(optimizer, scalars, members, averages,
+    decay)``.
     """
 
     _fused_kernel = None
 
+    def _apply_weight_decay(self, variables):
+        # Keras calls this right before `_backend_update_step` (in both
+        # branches of gradient accumulation): the decay is held for the
+        # kernel, which applies it in its pass, or for Keras' own step,
+        # which applies it first (`_release_weight_decay`).
+        if self.weight_decay is None:
+            return
+        if self.gradient_accumulation_steps:
+            super()._apply_weight_decay(variables)
+            return
+        self.__dict__["_held_weight_decay"] = list(variables)
+
+    def _release_weight_decay(self):
+        """The variables whose weight decay :meth:`_apply_weight_decay`
+        held for this step (None: none held)."""
+        return self.__dict__.pop("_held_weight_decay", None)
+
     def _backend_update_step(self, grads, trainable_variables,
                              learning_rate):
+        held = self._release_weight_decay()
         plan = fused_adam_plan(self, grads, trainable_variables)
         if plan is None:
+            if held is not None:
+                super()._apply_weight_decay(held)
             return super()._backend_update_step(grads, trainable_variables,
                                                 learning_rate)
         ops = keras.ops
@@ -204,16 +225,22 @@ class FusedAdamStep:
         beta_2_power = ops.power(ops.cast(self.beta_2, "float32"),
                                  local_step)
         alpha = lr * ops.sqrt(1 - beta_2_power) / (1 - beta_1_power)
-        # The Python numbers rounded to float32 below, as Keras' step does.
-        constants = [alpha, 1 - self.beta_1, 1 - self.beta_2, self.epsilon]
+        decayed = set() if held is None else {
+            id(v) for v in held if self._use_weight_decay(v)}
+        # The Python numbers rounded to float32 below, as Keras' step does
+        # (its decay: `variable - variable * wd * lr`, both cast first).
+        constants = [alpha, 1 - self.beta_1, 1 - self.beta_2, self.epsilon,
+                     self.weight_decay if decayed else 0.0, lr]
         averager, groups = plan
         folding = any(groups[1:])
         weights = averager.fold_weights(self) if folding else []
         for k, members in enumerate(groups):
-            if members:
-                scalars = ops.stack([ops.cast(c, "float32")
-                                     for c in constants + weights[:k]])
-                self._fused_kernel.apply(self, scalars, members, k)
+            for decay in (True, False):
+                part = [m for m in members if (id(m[1]) in decayed) == decay]
+                if part:
+                    scalars = ops.stack([ops.cast(c, "float32") for c in
+                                         constants + weights[:k]])
+                    self._fused_kernel.apply(self, scalars, part, k, decay)
         if folding:
             averager.folded([var for members in groups[1:]
                              for _, var, _, _ in members])
@@ -232,8 +259,10 @@ def fused_adam_plan(optimizer, grads, variables):
     # a plain number (a tensor, a callable).
     if not not_overridden(optimizer, keras.optimizers.Adam, "update_step"):
         return None
+    decay = () if optimizer.weight_decay is None else (
+        optimizer.weight_decay,)
     if optimizer.amsgrad or not all(isinstance(c, (int, float)) for c in (
-            optimizer.beta_1, optimizer.beta_2, optimizer.epsilon)):
+            optimizer.beta_1, optimizer.beta_2, optimizer.epsilon, *decay)):
         return None
     variables = list(variables)
     if len({id(v) for v in variables}) != len(variables) or any(

@@ -22,6 +22,7 @@ from keras_ema_opt.backend import _native
 
 _TARGET = "keras_ema_opt_adam_average"
 MAX_AVERAGES = _native.MAX_AVERAGES
+RULE_SCALARS = _native.RULE_SCALARS
 
 
 def _load():
@@ -56,14 +57,15 @@ def serves(grads, variables):
     return _kernel.serves()
 
 
-def apply(optimizer, scalars, members, averages):
+def apply(optimizer, scalars, members, averages, decay=False):
     """One fused step of ``members`` (``(grad, variable, index, slots)``,
-    ``fused_adam_plan``'s) with ``averages`` averages each."""
+    ``fused_adam_plan``'s) with ``averages`` averages each (``decay``:
+    their weight decay first)."""
     tensors = [(grad, optimizer._momentums[i].value,
                 optimizer._velocities[i].value, var.value,
                 *(slot.value for slot in slots))
                for grad, var, i, slots in members]
-    updated = adam_average(scalars, tensors, averages)
+    updated = adam_average(scalars, tensors, averages, decay)
     for (_, var, i, slots), values in zip(members, updated):
         optimizer._momentums[i].assign(values[0])
         optimizer._velocities[i].assign(values[1])
@@ -72,26 +74,30 @@ def apply(optimizer, scalars, members, averages):
             slot.assign(value)
 
 
-def adam_average(scalars, tensors, averages):
+def adam_average(scalars, tensors, averages, decay=False):
     """One Adam step with ``averages`` averages per tensor.
 
     Args:
-        scalars: float32 ``[alpha, 1 - beta_1, 1 - beta_2, epsilon, u_1,
-            ..., u_k]``, ``u_j`` the weight of the new value in average
-            ``j`` (1 copies, 0 keeps).
+        scalars: float32 ``[alpha, 1 - beta_1, 1 - beta_2, epsilon, wd,
+            lr, u_1, ..., u_k]``, ``u_j`` the weight of the new value in
+            average ``j`` (1 copies, 0 keeps); ``wd`` and ``lr`` are read
+            where ``decay``.
         tensors: per variable ``(g, m, v, w, a_1, ..., a_k)``, float32
             arrays of one size.
         averages: ``k``, 0 to 2.
+        decay: whether each weight decays first, ``w - w * wd * lr``
+            (Keras' decoupled weight decay).
 
     Returns:
         Per variable ``(m, v, w, a_1, ..., a_k)`` after the step, each in
         its input's buffer (aliased).
     """
-    return _adam_average(averages, scalars, [tuple(t) for t in tensors])
+    return _adam_average(averages, bool(decay), scalars,
+                         [tuple(t) for t in tensors])
 
 
-@functools.partial(jax.custom_jvp, nondiff_argnums=(0,))
-def _adam_average(averages, scalars, tensors):
+@functools.partial(jax.custom_jvp, nondiff_argnums=(0, 1))
+def _adam_average(averages, decay, scalars, tensors):
     per_in, per_out = 4 + averages, 3 + averages
     operands = [scalars]
     shapes, aliases = [], {}
@@ -103,32 +109,34 @@ def _adam_average(averages, scalars, tensors):
     # Under `jax.vmap` (an ensemble of optimizers), one call per member.
     outputs = jax.ffi.ffi_call(_TARGET, shapes, input_output_aliases=aliases,
                                vmap_method="sequential")(
-        *operands, averages=np.int64(averages))
+        *operands, averages=np.int64(averages), decay=np.int64(decay))
     return [tuple(outputs[i * per_out:(i + 1) * per_out])
             for i in range(len(tensors))]
 
 
 @_adam_average.defjvp
-def _adam_average_jvp(averages, primals, tangents):
+def _adam_average_jvp(averages, decay, primals, tangents):
     """Derivatives through the step (``jax.grad`` of a loss after it): those
     of the same rule written in ``jax.numpy``."""
-    outputs = _adam_average(averages, *primals)
-    _, derivatives = jax.jvp(functools.partial(_rule, averages), primals,
-                             tangents)
+    outputs = _adam_average(averages, decay, *primals)
+    _, derivatives = jax.jvp(functools.partial(_rule, averages, decay),
+                             primals, tangents)
     return outputs, derivatives
 
 
-def _rule(averages, scalars, tensors):
+def _rule(averages, decay, scalars, tensors):
     """The kernel's rule in ``jax.numpy`` (see ``adam_average.h``)."""
-    alpha, c1, c2, eps = (scalars[i] for i in range(4))
+    alpha, c1, c2, eps, wd, lr = (scalars[i] for i in range(RULE_SCALARS))
     updated = []
     for g, m, v, w, *avgs in tensors:
+        if decay:
+            w = w - w * wd * lr
         m = m + (g - m) * c1
         v = v + (g * g - v) * c2
         w = w - (m * alpha) / (jnp.sqrt(v) + eps)
         new = []
         for j, a in enumerate(avgs):
-            u = scalars[4 + j]
+            u = scalars[RULE_SCALARS + j]
             near = u < 0.5
             mixed = jnp.where(near, a, w) + jnp.where(near, u, u - 1) * (
                 w - a)

@@ -34,6 +34,7 @@ import time
 
 HERE = pathlib.Path(__file__).parent
 MAX_AVERAGES = 2  # adam_average.h's kMaxAverages
+RULE_SCALARS = 6  # adam_average.h's kRuleScalars: alpha, c1, c2, eps, wd, lr
 FLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC", "-fopenmp-simd",
          "-fno-math-errno", "-ffp-contract=off", "-march=native", "-w")
 

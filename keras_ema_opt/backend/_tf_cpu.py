@@ -24,6 +24,7 @@ import keras
 from keras_ema_opt.backend import _native
 
 MAX_AVERAGES = _native.MAX_AVERAGES
+RULE_SCALARS = _native.RULE_SCALARS
 
 
 def _flags():
@@ -76,17 +77,18 @@ def _on_cpu(variable):
     return tf.DeviceSpec.from_string(device).device_type in (None, "CPU")
 
 
-def apply(optimizer, scalars, members, averages):
+def apply(optimizer, scalars, members, averages, decay=False):
     """One fused step of ``members`` (``(grad, variable, index, slots)``,
-    ``fused_adam_plan``'s) with ``averages`` averages each: the variables
-    are updated in place."""
+    ``fused_adam_plan``'s) with ``averages`` averages each (``decay``:
+    their weight decay first): the variables are updated in place."""
     handles, grads = [], []
     for grad, var, i, slots in members:
         handles += [tf_variable(v).handle for v in (
             var, optimizer._momentums[i], optimizer._velocities[i], *slots)]
         grads.append(grad)
     _kernel.ops.keras_ema_opt_adam_average(
-        handles=handles, grads=grads, scalars=scalars, averages=averages)
+        handles=handles, grads=grads, scalars=scalars, averages=averages,
+        decay=bool(decay))
 
 
 def tf_variable(variable):

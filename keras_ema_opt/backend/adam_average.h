@@ -6,7 +6,11 @@
 // keras_ema_opt/backend/_native.py.
 //
 // The rule is Keras' `keras.optimizers.Adam.update_step`, in float32, in
-// its order of operations (no contraction into fused multiply-adds):
+// its order of operations (no contraction into fused multiply-adds), after
+// its decoupled weight decay where the step has one (AdamW, or Adam with
+// `weight_decay`: Keras' `_apply_weight_decay`, run right before the
+// update step):
+//   w <- w - w * wd * lr            (decayed tensors only)
 //   m <- m + (g - m) * c1           c1 = 1 - beta_1 (float32)
 //   v <- v + (g * g - v) * c2       c2 = 1 - beta_2 (float32)
 //   w <- w - (m * alpha) / (sqrt(v) + eps)
@@ -26,6 +30,7 @@
 namespace keras_ema_opt {
 
 constexpr int kMaxAverages = 2;  // UpdatePiece spells out each
+constexpr int kRuleScalars = 6;  // alpha, c1, c2, eps, wd, lr
 constexpr int64_t kPiece = 16384;  // elements of a unit of work (64 kB)
 
 enum Mode : int { kMix = 0, kCopy = 1, kKeep = 2 };
@@ -50,21 +55,26 @@ struct Step {
   std::vector<Tensor> tensors;
   std::vector<Piece> pieces;
   int averages = 0;
-  float alpha, c1, c2, eps;
+  bool decay = false;  // every tensor of the step decayed, or none
+  float alpha, c1, c2, eps, wd, lr;
   int mode[kMaxAverages];
   int near_average[kMaxAverages];
   float base_weight[kMaxAverages];
 
-  // scalars: alpha, 1 - beta_1, 1 - beta_2, epsilon, then one weight u
-  // per average.
-  void SetScalars(const float* s, int k) {
+  // scalars (kRuleScalars + k): alpha, 1 - beta_1, 1 - beta_2, epsilon,
+  // the weight decay and the learning rate (read where `decay`), then one
+  // weight u per average.
+  void SetScalars(const float* s, int k, bool decayed) {
     averages = k;
+    decay = decayed;
     alpha = s[0];
     c1 = s[1];
     c2 = s[2];
     eps = s[3];
+    wd = s[4];
+    lr = s[5];
     for (int j = 0; j < k; ++j) {
-      const float u = s[4 + j];
+      const float u = s[kRuleScalars + j];
       mode[j] = u == 1.0f ? kCopy : u == 0.0f ? kKeep : kMix;
       near_average[j] = u < 0.5f;
       base_weight[j] = u < 0.5f ? u : u - 1.0f;
@@ -87,10 +97,11 @@ inline float Mix(float a, float w, bool copy, bool keep, bool near,
   return copy ? w : keep ? a : mixed;
 }
 
-template <int K>
+template <int K, bool D>
 void UpdatePiece(const Step& s, const Piece& piece) {
   const Tensor& t = s.tensors[piece.tensor];
   const float alpha = s.alpha, c1 = s.c1, c2 = s.c2, eps = s.eps;
+  const float wd = s.wd, lr = s.lr;
   const int64_t b = piece.begin, n = piece.end - piece.begin;
   const float* g = t.g + b;
   const float* m_in = t.m_in + b;
@@ -121,7 +132,8 @@ void UpdatePiece(const Step& s, const Piece& piece) {
     const float gi = g[i];
     const float m = m_in[i] + (gi - m_in[i]) * c1;
     const float v = v_in[i] + (gi * gi - v_in[i]) * c2;
-    const float w = w_in[i] - (m * alpha) / (std::sqrt(v) + eps);
+    const float w0 = D ? w_in[i] - w_in[i] * wd * lr : w_in[i];
+    const float w = w0 - (m * alpha) / (std::sqrt(v) + eps);
     m_out[i] = m;
     v_out[i] = v;
     w_out[i] = w;
@@ -130,11 +142,20 @@ void UpdatePiece(const Step& s, const Piece& piece) {
   }
 }
 
-inline void RunPiece(const Step& step, const Piece& piece) {
+template <bool D>
+void RunPieceWith(const Step& step, const Piece& piece) {
   switch (step.averages) {
-    case 0: UpdatePiece<0>(step, piece); break;
-    case 1: UpdatePiece<1>(step, piece); break;
-    default: UpdatePiece<2>(step, piece); break;
+    case 0: UpdatePiece<0, D>(step, piece); break;
+    case 1: UpdatePiece<1, D>(step, piece); break;
+    default: UpdatePiece<2, D>(step, piece); break;
+  }
+}
+
+inline void RunPiece(const Step& step, const Piece& piece) {
+  if (step.decay) {
+    RunPieceWith<true>(step, piece);
+  } else {
+    RunPieceWith<false>(step, piece);
   }
 }
 

@@ -19,6 +19,7 @@ namespace ffi = xla::ffi;
 namespace {
 
 using keras_ema_opt::kMaxAverages;
+using keras_ema_opt::kRuleScalars;
 using keras_ema_opt::Step;
 using keras_ema_opt::Tensor;
 
@@ -40,7 +41,7 @@ void RunPieces(Work& work) {
 ffi::Error AdamAverageImpl(ffi::ThreadPool pool,
                            ffi::Buffer<ffi::F32> scalars,
                            ffi::RemainingArgs args, ffi::RemainingRets rets,
-                           int64_t averages) {
+                           int64_t averages, int64_t decay) {
   if (averages < 0 || averages > kMaxAverages) {
     return ffi::Error::InvalidArgument("averages must be 0 to 2");
   }
@@ -49,12 +50,14 @@ ffi::Error AdamAverageImpl(ffi::ThreadPool pool,
       rets.size() != args.size() / in_per * out_per) {
     return ffi::Error::InvalidArgument("unexpected number of buffers");
   }
-  if (scalars.element_count() != static_cast<size_t>(4 + averages)) {
+  if (scalars.element_count() !=
+      static_cast<size_t>(kRuleScalars + averages)) {
     return ffi::Error::InvalidArgument("unexpected number of scalars");
   }
   auto work = std::make_shared<Work>();
   Step& step = work->step;
-  step.SetScalars(scalars.typed_data(), static_cast<int>(averages));
+  step.SetScalars(scalars.typed_data(), static_cast<int>(averages),
+                  decay != 0);
   const size_t n = args.size() / in_per;
   step.tensors.reserve(n);
   for (size_t i = 0; i < n; ++i) {
@@ -121,4 +124,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(KeoAdamAverage, AdamAverageImpl,
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .RemainingArgs()
                                   .RemainingRets()
-                                  .Attr<int64_t>("averages"));
+                                  .Attr<int64_t>("averages")
+                                  .Attr<int64_t>("decay"));

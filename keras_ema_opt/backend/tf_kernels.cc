@@ -36,6 +36,7 @@ REGISTER_OP("KerasEmaOptAdamAverage")
     .Attr("num_handles: int >= 3")
     .Attr("num_variables: int >= 1")
     .Attr("averages: int >= 0")
+    .Attr("decay: bool = false")
     .SetIsStateful()
     .SetShapeFn(shape_inference::NoOutputs);
 
@@ -44,6 +45,7 @@ class AdamAverageOp : public OpKernel {
   explicit AdamAverageOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
     OP_REQUIRES_OK(ctx, ctx->GetAttr("num_variables", &num_variables_));
     OP_REQUIRES_OK(ctx, ctx->GetAttr("averages", &averages_));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("decay", &decay_));
     OP_REQUIRES(ctx, averages_ <= keras_ema_opt::kMaxAverages,
                 errors::InvalidArgument("averages must be 0 to 2"));
     int num_handles = 0;
@@ -56,8 +58,12 @@ class AdamAverageOp : public OpKernel {
     const int per = 3 + averages_;
     const int handles = num_variables_ * per;
     const Tensor& scalars = ctx->input(handles + num_variables_);
-    OP_REQUIRES(ctx, scalars.NumElements() == 4 + averages_,
-                errors::InvalidArgument("expected ", 4 + averages_,
+    OP_REQUIRES(ctx,
+                scalars.NumElements() == keras_ema_opt::kRuleScalars +
+                                             averages_,
+                errors::InvalidArgument("expected ",
+                                        keras_ema_opt::kRuleScalars +
+                                            averages_,
                                         " scalars, got ",
                                         scalars.NumElements()));
     std::vector<core::RefCountPtr<Var>> vars(handles);
@@ -78,7 +84,7 @@ class AdamAverageOp : public OpKernel {
     for (mutex* mu : mutexes) locks.emplace_back(*mu);
 
     keras_ema_opt::Step step;
-    step.SetScalars(scalars.flat<float>().data(), averages_);
+    step.SetScalars(scalars.flat<float>().data(), averages_, decay_);
     step.tensors.reserve(num_variables_);
     std::vector<Tensor> held;  // the buffers written, alive to the end
     held.reserve(handles);
@@ -128,6 +134,7 @@ class AdamAverageOp : public OpKernel {
  private:
   int num_variables_ = 0;
   int averages_ = 0;
+  bool decay_ = false;
 };
 
 REGISTER_KERNEL_BUILDER(Name("KerasEmaOptAdamAverage").Device(DEVICE_CPU),
