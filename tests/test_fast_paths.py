@@ -1380,6 +1380,55 @@ def test_cpu_kernel_leaves_what_it_cannot_take_to_keras(monkeypatch,
 
 
 @only_on("tensorflow")
+@pytest.mark.parametrize("in_cond", [False, True])
+def test_tf_cpu_kernel_is_ordered_with_the_reads_of_its_function(
+        monkeypatch, in_cond):
+    """In a function (the step inside a ``tf.cond`` too), automatic control
+    dependencies order the op after the function's read of a weight
+    before the step, and before its reads of the weight, a moment and an
+    average after it: the values of the same reads eagerly (the op takes
+    every variable's handle as an input of its own: packed in one tensor,
+    a ``tf.cond`` around the step lost this order)."""
+    import tensorflow as tf
+
+    kernel = _ready_kernel()
+    calls = _Calls(monkeypatch, "apply", kernel)
+    weights, grads = _kernel_problem()
+
+    def run(in_function):
+        variables = [keras.Variable(w) for w in weights]
+        opt = keras_ema_opt.Adam(0.05, averaging=keras_ema_opt.EMA(0.9),
+                                 jit_compile=False)
+        opt.build(variables)
+        average = opt._averager.slots_of(opt, variables[2])[0]
+
+        def step(given):
+            before = variables[2].value * 1.0
+
+            def update():
+                opt.apply_gradients(zip(given, variables))
+                return tf.constant(True)
+            if in_cond and in_function:
+                tf.cond(tf.constant(True), update,
+                        lambda: tf.constant(False))
+            else:
+                update()
+            return (before, variables[2].value * 1.0,
+                    opt._momentums[2].value * 1.0, average.value * 1.0)
+        if in_function:
+            step = tf.function(step)
+        return [to_numpy(t) for given in grads
+                for t in step([tf.constant(g) for g in given])]
+
+    eager = run(False)
+    eager_calls = calls.count
+    in_function = run(True)
+    assert eager_calls == len(grads) and calls.count > eager_calls
+    for a, b in zip(in_function, eager):
+        np.testing.assert_array_equal(a, b)
+
+
+@only_on("tensorflow")
 def test_tf_cpu_kernel_stays_out_of_xla_and_sparse_gradients(monkeypatch):
     """The op has no XLA kernel and takes dense gradients: a step XLA
     compiles, and one with an ``IndexedSlices`` gradient, run Keras' own
