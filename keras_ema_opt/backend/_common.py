@@ -196,6 +196,7 @@ class FusedAdamStep:
         # branches of gradient accumulation): the decay is held for the
         # kernel, which applies it in its pass, or for Keras' own step,
         # which applies it first (`_release_weight_decay`).
+        self._release_weight_decay()  # none left from a step that failed
         if self.weight_decay is None:
             return
         if self.gradient_accumulation_steps:
