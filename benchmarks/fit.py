@@ -2,6 +2,7 @@
 and without averaging, ours beside Keras' own ``use_ema``.
 
     python -m benchmarks.fit [--names ...]
+    python -m benchmarks.fit --interleave [--names ours,ours:ema,...]
 
 Each configuration trains one epoch of ``STEPS`` batches; the time of a
 step is the median gap between consecutive ``on_train_batch_end`` calls
@@ -20,10 +21,25 @@ pairs' ratios. Runs far apart in a round do not share
 the machine's state as neighbours do: ``ours`` run first and sixth in a
 round of six measured 8% apart on JAX (the median over four rounds), as
 much as an average adds.
+
+With ``--interleave`` (JAX and TensorFlow), the configurations train side
+by side in this process instead, a step each in turn: one model each,
+built and compiled by a short ``fit()``, then ``INTERLEAVED_STEPS`` steps
+of each through Keras' own compiled train function (its ``fit()`` step
+without the loop around it: callbacks, and on JAX the storing of the new
+state on the model), each timed until its loss is on the host, the order
+reversed every other turn. An average's cost is the median over the
+turns of its step's time over the first configuration's in the same turn
+(``--names``' first, the baseline): a slow spell of the machine falls on
+both steps of a turn, not on one run of many steps. It measures another
+step than ``fit()``'s: each step waits for its loss (``fit()`` lets the
+next step's host work overlap this one's kernels), and the models take
+turns in the machine's caches; their steps run slower than in ``fit()``.
 """
 
 import argparse
 import gc
+import itertools
 import os
 import statistics
 import sys
@@ -42,6 +58,7 @@ BATCH = 32
 STEPS = int(os.environ.get("KEO_BENCH_STEPS", 120))
 WARMUP = min(20, STEPS // 3)
 ROUNDS = int(os.environ.get("KEO_BENCH_ROUNDS", 6))
+INTERLEAVED_STEPS = int(os.environ.get("KEO_BENCH_INTERLEAVED_STEPS", 300))
 
 
 def _clock():
@@ -177,10 +194,92 @@ def run(names=NAMES, rounds=ROUNDS):
         common.emit(record)
 
 
+def _stepper(name, x, y):
+    """A function running one step of a new ``model()`` trained by
+    ``name`` with Keras' compiled train function, returning its loss (on
+    the host), after a short ``fit()`` that builds and compiles it."""
+    m = model()
+    m.compile(optimizer=keras_optimizer(name), loss="mse")
+    m.fit(x[:BATCH * 4], y[:BATCH * 4], batch_size=BATCH, epochs=1,
+          shuffle=False, verbose=0)
+    train = m.train_function
+    if BACKEND == "tensorflow":
+        import tensorflow as tf
+
+        batches = iter(tf.data.Dataset.from_tensor_slices((x, y)).batch(
+            BATCH).repeat())
+
+        def step():
+            return float(train(batches)["loss"])
+        return step
+    batches = itertools.cycle([(x[i:i + BATCH], y[i:i + BATCH])
+                               for i in range(0, len(x), BATCH)])
+    state = m._get_jax_state(
+        trainable_variables=True, non_trainable_variables=True,
+        optimizer_variables=True, metrics_variables=True)
+
+    def step():
+        nonlocal state
+        logs, state = train(state, batches)
+        return float(logs["loss"])
+    step.model = m  # its variables hold the state the steps donate
+    return step
+
+
+def run_interleaved(names, steps=INTERLEAVED_STEPS):
+    """The configurations' steps in turn (module docstring); emit a record
+    each; the first of ``names`` is the baseline."""
+    if BACKEND not in ("jax", "tensorflow"):
+        raise ValueError(
+            "benchmarks.fit --interleave steps Keras' train function of JAX "
+            "or TensorFlow alone: run it with KERAS_BACKEND=jax or "
+            f"tensorflow. Received: KERAS_BACKEND={BACKEND!r}.")
+    names = list(dict.fromkeys(names))
+    if len(names) < 2 or steps < 1:
+        raise ValueError(
+            "benchmarks.fit --interleave needs a baseline and at least one "
+            "configuration to compare with it, and at least one step. "
+            f"Received: names={names}, steps={steps}.")
+    x, y = data()
+    steppers = {name: _stepper(name, x, y) for name in names}
+    for stepper in steppers.values():  # warm: each compiled, caches filled
+        for _ in range(WARMUP):
+            stepper()
+    times = {name: [] for name in names}
+    for turn in range(steps):
+        for name in names if turn % 2 == 0 else names[::-1]:
+            start = time.perf_counter()
+            steppers[name]()
+            times[name].append(time.perf_counter() - start)
+    base = times[names[0]]
+    configs = configurations()
+    for name in names:
+        common.emit({
+            "bench": "fit_interleaved", "backend": BACKEND, "name": name,
+            "averages": configs[name][2], "steps": steps,
+            "seconds": statistics.median(times[name]),
+            "paired_with": names[0],
+            "added": statistics.median(
+                t / b for t, b in zip(times[name], base)) - 1})
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=common.summary(__doc__))
     parser.add_argument("--names", default=None)
+    parser.add_argument("--interleave", action="store_true",
+                        help="the configurations' steps in turn in this "
+                        "process (JAX, TensorFlow); the first of --names is "
+                        "the baseline")
     args = parser.parse_args(argv)
+    if args.interleave:
+        names = (args.names.split(",") if args.names else
+                 ["ours", "ours:ema", "ours:ema_power", "ours:swa",
+                  "ours:powerema"])
+        try:
+            run_interleaved(names)
+        except ValueError as error:
+            parser.error(str(error))
+        return 0
     run(args.names.split(",") if args.names else NAMES)
     return 0
 

@@ -76,6 +76,42 @@ def _result(bench, name, seconds, averages=1, backend="torch", **extra):
                      averages=averages, bandwidth=1e10), **extra)
 
 
+@pytest.mark.skipif(BACKEND not in ("jax", "tensorflow"),
+                    reason="Keras' train function of JAX or TensorFlow")
+def test_fit_steps_interleaved_against_the_first_configuration():
+    """``--interleave``: a record per configuration, each step's cost over
+    the baseline's (the first name) in its turn; the baseline's own is 0
+    exactly."""
+    out = run_python("-m", "benchmarks.fit", "--interleave", "--names",
+                     "ours,ours:ema,ours:powerema", backend=BACKEND,
+                     timeout=300, **dict(SMALL,
+                                         KEO_BENCH_INTERLEAVED_STEPS="6"))
+    records = _bench_lines(out.stdout)
+    assert [r["name"] for r in records] == ["ours", "ours:ema",
+                                            "ours:powerema"]
+    assert [r["averages"] for r in records] == [0, 1, 2]
+    for r in records:
+        assert r["bench"] == "fit_interleaved" and r["backend"] == BACKEND
+        assert r["steps"] == 6 and r["seconds"] > 0
+        assert r["paired_with"] == "ours" and r["added"] > -1
+    assert records[0]["added"] == 0
+
+
+def test_fit_interleave_refuses_torch_and_a_lone_configuration(
+        monkeypatch, capsys):
+    from benchmarks import fit
+
+    monkeypatch.setattr(fit, "BACKEND", "torch")
+    with pytest.raises(SystemExit):
+        fit.main(["--interleave"])
+    assert "KERAS_BACKEND=jax or tensorflow. Received: KERAS_BACKEND=" \
+        "'torch'" in capsys.readouterr().err
+    monkeypatch.setattr(fit, "BACKEND", "jax")
+    with pytest.raises(SystemExit):
+        fit.main(["--interleave", "--names", "ours"])
+    assert "Received: names=['ours'], steps=" in capsys.readouterr().err
+
+
 def test_checks_hold_the_issue_bounds(tmp_path):
     results = [
         _result("step", "torch_adam+lerp", 10.0),
