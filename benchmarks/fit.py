@@ -222,7 +222,6 @@ def _stepper(name, x, y):
         nonlocal state
         logs, state = train(state, batches)
         return float(logs["loss"])
-    step.model = m  # its variables hold the state the steps donate
     return step
 
 

@@ -236,11 +236,15 @@ class FusedAdamStep:
         folding = any(groups[1:])
         weights = averager.fold_weights(self) if folding else []
         for k, members in enumerate(groups):
-            for decay in (True, False):
-                part = [m for m in members if (id(m[1]) in decayed) == decay]
+            if not members:
+                continue
+            scalars = ops.stack([ops.cast(c, "float32")
+                                 for c in constants + weights[:k]])
+            parts = {True: [], False: []}  # a kernel call each: decayed or not
+            for member in members:
+                parts[id(member[1]) in decayed].append(member)
+            for decay, part in parts.items():
                 if part:
-                    scalars = ops.stack([ops.cast(c, "float32") for c in
-                                         constants + weights[:k]])
                     self._fused_kernel.apply(self, scalars, part, k, decay)
         if folding:
             averager.folded([var for members in groups[1:]
