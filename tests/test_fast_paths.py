@@ -1380,15 +1380,17 @@ def test_cpu_kernel_leaves_what_it_cannot_take_to_keras(monkeypatch,
 
 
 @only_on("tensorflow")
-@pytest.mark.parametrize("in_cond", [False, True])
+@pytest.mark.parametrize("around", ["function", "cond", "inner_function"])
 def test_tf_cpu_kernel_is_ordered_with_the_reads_of_its_function(
-        monkeypatch, in_cond):
-    """In a function (the step inside a ``tf.cond`` too), automatic control
-    dependencies order the op after the function's read of a weight
-    before the step, and before its reads of the weight, a moment and an
-    average after it: the values of the same reads eagerly (the op takes
-    every variable's handle as an input of its own: packed in one tensor,
-    a ``tf.cond`` around the step lost this order)."""
+        monkeypatch, around):
+    """In a function (the step inside a ``tf.cond``, or a function of its
+    own called by it, too), automatic control dependencies order the op
+    after the function's reads of a weight, a moment and an average before
+    the step, and before its reads of them after it: the values of the
+    same reads eagerly. The op takes the moments' and averages' handles
+    packed in one tensor, which hides them from automatic control
+    dependencies; ``_tf_cpu._order_around_packs`` names them (without it
+    every case here reads stale or updated values)."""
     import tensorflow as tf
 
     kernel = _ready_kernel()
@@ -1401,20 +1403,22 @@ def test_tf_cpu_kernel_is_ordered_with_the_reads_of_its_function(
                                  jit_compile=False)
         opt.build(variables)
         average = opt._averager.slots_of(opt, variables[2])[0]
+        watched = (variables[2], opt._momentums[2], average)
+
+        def update(given):
+            opt.apply_gradients(zip(given, variables))
+            return tf.constant(True)
+        if in_function and around == "inner_function":
+            update = tf.function(update)
 
         def step(given):
-            before = variables[2].value * 1.0
-
-            def update():
-                opt.apply_gradients(zip(given, variables))
-                return tf.constant(True)
-            if in_cond and in_function:
-                tf.cond(tf.constant(True), update,
+            before = [v.value * 1.0 for v in watched]
+            if in_function and around == "cond":
+                tf.cond(tf.constant(True), lambda: update(given),
                         lambda: tf.constant(False))
             else:
-                update()
-            return (before, variables[2].value * 1.0,
-                    opt._momentums[2].value * 1.0, average.value * 1.0)
+                update(given)
+            return before + [v.value * 1.0 for v in watched]
         if in_function:
             step = tf.function(step)
         return [to_numpy(t) for given in grads
@@ -1426,6 +1430,60 @@ def test_tf_cpu_kernel_is_ordered_with_the_reads_of_its_function(
     assert eager_calls == len(grads) and calls.count > eager_calls
     for a, b in zip(in_function, eager):
         np.testing.assert_array_equal(a, b)
+
+
+@only_on("tensorflow")
+def test_tf_cpu_kernel_packs_the_slots_once():
+    """The slots' handles are packed once an optimizer and group, eagerly,
+    and reused by every step after (eager or traced); an optimizer keeps
+    its latest few packs only, and a pack dies with its optimizer."""
+    import gc
+    import weakref
+
+    import tensorflow as tf
+    from keras_ema_opt.backend import _tf_cpu
+
+    _ready_kernel()
+    weights, grads = _kernel_problem()
+    variables = [keras.Variable(w) for w in weights]
+    opt = keras_ema_opt.Adam(0.05, averaging=keras_ema_opt.EMA(0.9))
+    opt.apply_gradients(zip([tf.constant(g) for g in grads[0]], variables))
+    packs = opt.__dict__[_tf_cpu._PACKS_ATTR]
+    assert len(packs) == 1
+    (pack,) = packs.values()
+    assert pack.packed.dtype == tf.resource
+    assert pack.packed.shape == (len(weights) * 3,)  # m, v, the average
+    first = pack.packed
+
+    @tf.function
+    def step(given):
+        opt.apply_gradients(zip(given, variables))
+    step([tf.constant(g) for g in grads[1]])
+    opt.apply_gradients(zip([tf.constant(g) for g in grads[2]], variables))
+    assert list(packs.values()) == [pack] and pack.packed is first
+
+    others = [[tf.Variable(tf.zeros(2)) for _ in range(2)]
+              for _ in range(_tf_cpu._MAX_PACKS + 3)]
+    for group in others:
+        _tf_cpu._packed(opt, group)
+    assert len(packs) == _tf_cpu._MAX_PACKS
+    assert pack not in packs.values()  # the least recently used went
+    assert _tf_cpu._packed(opt, others[-1]) is packs[
+        tuple(map(id, others[-1]))].packed
+
+    def used_once():
+        # A frame of its own: TensorFlow's tracing of ``step`` keeps this
+        # test's locals.
+        eager_only = keras_ema_opt.Adam(0.05,
+                                        averaging=keras_ema_opt.EMA(0.9))
+        eager_only.apply_gradients(zip([tf.constant(g) for g in grads[0]],
+                                       variables))
+        (pack,) = eager_only.__dict__[_tf_cpu._PACKS_ATTR].values()
+        assert pack in _tf_cpu._LIVE_PACKS
+        return weakref.ref(pack)
+    dies = used_once()
+    gc.collect()
+    assert dies() is None
 
 
 @only_on("tensorflow")

@@ -14,8 +14,11 @@ says why.
 """
 
 import platform
+import weakref
 
 import tensorflow as tf
+from tensorflow.python.framework import auto_control_deps
+from tensorflow.python.framework import func_graph
 from tensorflow.python.framework import ops as tf_ops
 from tensorflow.python.ops import control_flow_util
 from tensorflow.python.saved_model import save_context
@@ -81,14 +84,101 @@ def apply(optimizer, scalars, members, averages, decay=False):
     """One fused step of ``members`` (``(grad, variable, index, slots)``,
     ``fused_adam_plan``'s) with ``averages`` averages each (``decay``:
     their weight decay first): the variables are updated in place."""
-    handles, grads = [], []
-    for grad, var, i, slots in members:
-        handles += [tf_variable(v).handle for v in (
-            var, optimizer._momentums[i], optimizer._velocities[i], *slots)]
+    weights, slots, grads = [], [], []
+    for grad, var, i, averaged in members:
+        weights.append(tf_variable(var).handle)
+        slots += [tf_variable(v) for v in (
+            optimizer._momentums[i], optimizer._velocities[i], *averaged)]
         grads.append(grad)
     _kernel.ops.keras_ema_opt_adam_average(
-        handles=handles, grads=grads, scalars=scalars, averages=averages,
-        decay=bool(decay))
+        weights=weights, slots=_packed(optimizer, slots), grads=grads,
+        scalars=scalars, averages=averages, decay=bool(decay))
+
+
+# The slots' handles, packed into one tensor. A function pays for each
+# resource it takes on every call (about 3.5 us a variable on this step:
+# its capture's trace type hashed in the function cache's lookup, the
+# handle passed through the call): the weights' handles a step's function
+# takes anyway, for the forward pass, but its moments and averages only
+# the op would use. Packed once, eagerly, they are one input of the
+# function and of the op. Automatic control dependencies order a
+# function's ops by the resource tensors they take, and the pack hides the
+# slots from them: ``_order_around_packs`` tells them which variables an
+# op taking a pack writes, so the function's other reads and writes of a
+# moment or an average, before the step or after it, inside a ``tf.cond``
+# or not, keep their order with it.
+
+_PACKS_ATTR = "_keras_ema_opt_tf_slot_packs"
+_MAX_PACKS = 8  # an optimizer's packs kept (one a group of a step)
+_LIVE_PACKS = weakref.WeakSet()
+
+
+class _Pack:
+    """The slot variables of a step's group, their handles and the packed
+    tensor of the handles (an eager tensor, captured by the functions that
+    trace the step)."""
+
+    __slots__ = ("variables", "handles", "packed", "__weakref__")
+
+    def __init__(self, variables):
+        self.variables = tuple(variables)
+        with tf.init_scope():
+            self.handles = tuple(v.handle for v in self.variables)
+            self.packed = tf.stack(self.handles)
+
+
+def _packed(owner, variables):
+    """The packed handles of ``variables``, made once for ``owner`` (the
+    optimizer: its latest ``_MAX_PACKS`` packs are kept, which keep their
+    variables alive, so an ``id`` stays theirs)."""
+    packs = owner.__dict__.setdefault(_PACKS_ATTR, {})
+    key = tuple(map(id, variables))
+    pack = packs.pop(key, None)
+    if pack is None:
+        pack = _Pack(variables)
+        _LIVE_PACKS.add(pack)
+        while len(packs) >= _MAX_PACKS:
+            packs.pop(next(iter(packs)))
+    packs[key] = pack  # the most recently used last
+    return pack.packed
+
+
+def _in_graph(graph, tensor):
+    """The tensor of function graph ``graph`` standing for eager ``tensor``
+    (its capture, directly or through the captures of the graphs around
+    it), or None where the graph does not take it."""
+    inner = graph._function_captures.by_val_internal.get(id(tensor))
+    if inner is not None:
+        return inner
+    outer = graph.outer_graph
+    if isinstance(outer, func_graph.FuncGraph):
+        around = _in_graph(outer, tensor)
+        if around is not None:
+            return graph._function_captures.by_val_internal.get(id(around))
+    return None
+
+
+@auto_control_deps.register_acd_resource_resolver
+def _order_around_packs(op, reads, writes):
+    """Automatic control dependencies' resolver: an op that takes a pack
+    (the fused step, or a ``tf.cond`` or call around it) writes each of
+    its variables that the op's function takes."""
+    graph = op.graph
+    if not (_LIVE_PACKS and (reads or writes)
+            and isinstance(graph, func_graph.FuncGraph)):
+        return False
+    updated = False
+    for pack in list(_LIVE_PACKS):
+        packed = _in_graph(graph, pack.packed)
+        if packed is None or not (packed in writes or packed in reads):
+            continue
+        for handle in pack.handles:
+            inner = _in_graph(graph, handle)
+            if inner is not None and inner not in writes:
+                reads.discard(inner)
+                writes.add(inner)
+                updated = True
+    return updated
 
 
 def tf_variable(variable):

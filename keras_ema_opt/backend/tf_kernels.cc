@@ -4,12 +4,16 @@
 // average): one kernel launch and one pass over each tensor. Built by
 // keras_ema_opt/backend/_tf_cpu.py against TensorFlow's headers.
 //
-// Inputs: per variable the resource handles of its weight, first and
-// second moments and averages (3 + averages each), then its dense float32
-// gradient, then the float32 scalars of adam_average.h. The variables are
-// locked (each mutex once, in address order, as TensorFlow's training ops
-// lock theirs) and made sole owners of their buffers before they are
-// written (copy-on-write, as TensorFlow's training ops do).
+// Inputs: the resource handles of the weights, one input each; then one
+// tensor of resource handles, per variable its first and second moments and
+// averages (2 + averages each); then the dense float32 gradients, then the
+// float32 scalars of adam_average.h. The slots' handles come packed because
+// TensorFlow pays for each resource a function takes, a few microseconds a
+// call (_tf_cpu.py packs them once and orders the function's other uses of
+// those variables around the op). The variables are locked (each mutex once,
+// in address order, as TensorFlow's training ops lock theirs) and made sole
+// owners of their buffers before they are written (copy-on-write, as
+// TensorFlow's training ops do).
 
 #define EIGEN_USE_THREADS
 
@@ -30,10 +34,10 @@ namespace {
 using CPUDevice = Eigen::ThreadPoolDevice;
 
 REGISTER_OP("KerasEmaOptAdamAverage")
-    .Input("handles: num_handles * resource")
+    .Input("weights: num_variables * resource")
+    .Input("slots: resource")
     .Input("grads: num_variables * float")
     .Input("scalars: float")
-    .Attr("num_handles: int >= 3")
     .Attr("num_variables: int >= 1")
     .Attr("averages: int >= 0")
     .Attr("decay: bool = false")
@@ -48,16 +52,21 @@ class AdamAverageOp : public OpKernel {
     OP_REQUIRES_OK(ctx, ctx->GetAttr("decay", &decay_));
     OP_REQUIRES(ctx, averages_ <= keras_ema_opt::kMaxAverages,
                 errors::InvalidArgument("averages must be 0 to 2"));
-    int num_handles = 0;
-    OP_REQUIRES_OK(ctx, ctx->GetAttr("num_handles", &num_handles));
-    OP_REQUIRES(ctx, num_handles == num_variables_ * (3 + averages_),
-                errors::InvalidArgument("3 + averages handles a variable"));
   }
 
   void Compute(OpKernelContext* ctx) override {
     const int per = 3 + averages_;
     const int handles = num_variables_ * per;
-    const Tensor& scalars = ctx->input(handles + num_variables_);
+    const Tensor& slots = ctx->input(num_variables_);
+    OP_REQUIRES(ctx,
+                slots.dims() == 1 &&
+                    slots.NumElements() == num_variables_ * (2 + averages_),
+                errors::InvalidArgument(
+                    "expected ", num_variables_ * (2 + averages_),
+                    " slot handles (2 + averages a variable), got shape ",
+                    slots.shape().DebugString()));
+    const auto slot_handles = slots.flat<ResourceHandle>();
+    const Tensor& scalars = ctx->input(num_variables_ + 1 + num_variables_);
     OP_REQUIRES(ctx,
                 scalars.NumElements() == keras_ema_opt::kRuleScalars +
                                              averages_,
@@ -69,11 +78,16 @@ class AdamAverageOp : public OpKernel {
     std::vector<core::RefCountPtr<Var>> vars(handles);
     std::vector<mutex*> mutexes;
     mutexes.reserve(handles);
-    for (int i = 0; i < handles; ++i) {
-      OP_REQUIRES_OK(ctx,
-                     LookupResource(ctx, HandleFromInput(ctx, i), &vars[i]));
-      mutexes.push_back(vars[i]->mu());
+    for (int v = 0; v < num_variables_; ++v) {
+      OP_REQUIRES_OK(ctx, LookupResource(ctx, HandleFromInput(ctx, v),
+                                         &vars[v * per]));
+      for (int k = 1; k < per; ++k) {
+        OP_REQUIRES_OK(ctx,
+                       LookupResource(ctx, slot_handles(v * (per - 1) + k - 1),
+                                      &vars[v * per + k]));
+      }
     }
+    for (const auto& var : vars) mutexes.push_back(var->mu());
     std::sort(mutexes.begin(), mutexes.end());
     mutexes.erase(std::unique(mutexes.begin(), mutexes.end()),
                   mutexes.end());
@@ -89,7 +103,7 @@ class AdamAverageOp : public OpKernel {
     std::vector<Tensor> held;  // the buffers written, alive to the end
     held.reserve(handles);
     for (int v = 0; v < num_variables_; ++v) {
-      const Tensor& grad = ctx->input(handles + v);
+      const Tensor& grad = ctx->input(num_variables_ + 1 + v);
       float* buffers[3 + keras_ema_opt::kMaxAverages];
       for (int k = 0; k < per; ++k) {
         Var* var = vars[v * per + k].get();
