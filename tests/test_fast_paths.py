@@ -1433,6 +1433,78 @@ def test_tf_cpu_kernel_is_ordered_with_the_reads_of_its_function(
 
 
 @only_on("tensorflow")
+def test_tf_cpu_kernel_keeps_its_order_with_more_packs_than_kept():
+    """A trace whose steps use more packs than an optimizer keeps (one
+    step a variable here): the packs the optimizer let go live on with
+    the graph that took them, so automatic control dependencies, which run
+    when the trace ends, still order every read of the first variable's
+    moment and average with the op that updates them (before or after it,
+    never unordered: a lost update), and the values equal eager's."""
+    import tensorflow as tf
+    from keras_ema_opt.backend import _tf_cpu
+
+    _ready_kernel()
+    count = _tf_cpu._MAX_PACKS + 2
+    rng = np.random.default_rng(0)
+    shapes = [(300, 301)] + [(8,)] * (count - 1)
+    weights = [rng.normal(size=s).astype("float32") for s in shapes]
+    grads = [[rng.normal(size=s).astype("float32") for s in shapes]
+             for _ in range(3)]
+
+    def run(in_function):
+        variables = [keras.Variable(w) for w in weights]
+        opt = keras_ema_opt.Adam(0.05, averaging=keras_ema_opt.EMA(0.9),
+                                 jit_compile=False)
+        opt.build(variables)
+        watched = (opt._momentums[0],
+                   opt._averager.slots_of(opt, variables[0])[0])
+
+        def step(given):
+            before = [v.value * 1.0 for v in watched]
+            for grad, variable in zip(given, variables):
+                opt.apply_gradients([(grad, variable)])
+            return before + [v.value * 1.0 for v in watched]
+        if in_function:
+            step = tf.function(step)
+        out = [to_numpy(t) for given in grads
+               for t in step([tf.constant(g) for g in given])]
+        return out, step, variables, watched
+
+    eager, *_ = run(False)
+    in_function, step, variables, watched = run(True)
+    for a, b in zip(in_function, eager):
+        np.testing.assert_array_equal(a, b)
+
+    graph = step.get_concrete_function(
+        [tf.constant(g) for g in grads[0]]).graph
+
+    def captured(variable):
+        return graph._function_captures.by_val_internal[
+            id(_tf_cpu.tf_variable(variable).handle)]
+
+    def ancestors(op):
+        seen, stack = set(), [op]
+        while stack:
+            o = stack.pop()
+            for parent in [*o.control_inputs, *(t.op for t in o.inputs)]:
+                if parent not in seen:
+                    seen.add(parent)
+                    stack.append(parent)
+        return seen
+
+    first = [o for o in graph.get_operations()
+             if o.type == "KerasEmaOptAdamAverage"
+             and o.inputs[0] is captured(variables[0])]
+    assert len(first) == 1
+    reads = [c for v in watched for c in captured(v).consumers()
+             if c.type == "ReadVariableOp"]
+    assert len(reads) >= 4
+    for read in reads:
+        assert (first[0] in ancestors(read)
+                or read in ancestors(first[0])), read.name
+
+
+@only_on("tensorflow")
 def test_tf_cpu_kernel_packs_the_slots_once():
     """The slots' handles are packed once an optimizer and group, eagerly,
     and reused by every step after (eager or traced); an optimizer keeps

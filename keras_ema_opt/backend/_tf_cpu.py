@@ -14,6 +14,7 @@ says why.
 """
 
 import platform
+import threading
 import weakref
 
 import tensorflow as tf
@@ -106,11 +107,16 @@ def apply(optimizer, scalars, members, averages, decay=False):
 # slots from them: ``_order_around_packs`` tells them which variables an
 # op taking a pack writes, so the function's other reads and writes of a
 # moment or an average, before the step or after it, inside a ``tf.cond``
-# or not, keep their order with it.
+# or not, keep their order with it. A pack lives as long as the optimizer
+# keeps it or a function graph that took it (automatic control
+# dependencies run when a trace ends, and a trace may use more packs than
+# the optimizer keeps).
 
 _PACKS_ATTR = "_keras_ema_opt_tf_slot_packs"
-_MAX_PACKS = 8  # an optimizer's packs kept (one a group of a step)
-_LIVE_PACKS = weakref.WeakSet()
+_MAX_PACKS = 8  # an optimizer's packs kept (a step uses one to six)
+# Kept across a reload of this module, as the resolver registered first is.
+_LIVE_PACKS = globals().get("_LIVE_PACKS", weakref.WeakSet())
+_LIVE_PACKS_LOCK = globals().get("_LIVE_PACKS_LOCK", threading.Lock())
 
 
 class _Pack:
@@ -131,15 +137,26 @@ def _packed(owner, variables):
     """The packed handles of ``variables``, made once for ``owner`` (the
     optimizer: its latest ``_MAX_PACKS`` packs are kept, which keep their
     variables alive, so an ``id`` stays theirs)."""
-    packs = owner.__dict__.setdefault(_PACKS_ATTR, {})
-    key = tuple(map(id, variables))
-    pack = packs.pop(key, None)
-    if pack is None:
-        pack = _Pack(variables)
-        _LIVE_PACKS.add(pack)
-        while len(packs) >= _MAX_PACKS:
-            packs.pop(next(iter(packs)))
-    packs[key] = pack  # the most recently used last
+    with _LIVE_PACKS_LOCK:
+        packs = owner.__dict__.setdefault(_PACKS_ATTR, {})
+        key = tuple(map(id, variables))
+        pack = packs.pop(key, None)
+        if pack is None:
+            pack = _Pack(variables)
+            _LIVE_PACKS.add(pack)
+            while len(packs) >= _MAX_PACKS:
+                packs.pop(next(iter(packs)))
+        packs[key] = pack  # the most recently used last
+    # The graphs tracing this step, and those around them, keep the pack
+    # until they go (their automatic control dependencies need it).
+    graph = tf_ops.get_default_graph()
+    while isinstance(graph, func_graph.FuncGraph):
+        kept = getattr(graph, _PACKS_ATTR, None)
+        if kept is None:
+            kept = set()
+            setattr(graph, _PACKS_ATTR, kept)
+        kept.add(pack)
+        graph = graph.outer_graph
     return pack.packed
 
 
@@ -158,17 +175,18 @@ def _in_graph(graph, tensor):
     return None
 
 
-@auto_control_deps.register_acd_resource_resolver
 def _order_around_packs(op, reads, writes):
     """Automatic control dependencies' resolver: an op that takes a pack
-    (the fused step, or a ``tf.cond`` or call around it) writes each of
-    its variables that the op's function takes."""
+    (the fused step, or a ``tf.cond``, loop or call around it) writes each
+    of its variables that the op's function takes."""
     graph = op.graph
     if not (_LIVE_PACKS and (reads or writes)
             and isinstance(graph, func_graph.FuncGraph)):
         return False
+    with _LIVE_PACKS_LOCK:
+        live = list(_LIVE_PACKS)
     updated = False
-    for pack in list(_LIVE_PACKS):
+    for pack in live:
         packed = _in_graph(graph, pack.packed)
         if packed is None or not (packed in writes or packed in reads):
             continue
@@ -179,6 +197,11 @@ def _order_around_packs(op, reads, writes):
                 writes.add(inner)
                 updated = True
     return updated
+
+
+if _order_around_packs.__name__ not in (
+        auto_control_deps._acd_resource_resolvers_registry.list()):
+    auto_control_deps.register_acd_resource_resolver(_order_around_packs)
 
 
 def tf_variable(variable):
