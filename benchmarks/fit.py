@@ -111,6 +111,8 @@ NAMES = ("keras", "keras_ema", "ours", "ours:ema", "ours:ema_power",
 BASELINES = {"keras_ema": "keras", "ours:ema": "ours",
              "ours:ema_power": "ours", "ours:swa": "ours",
              "ours:powerema": "ours"}
+# ``--interleave``'s default: ours' baseline and its averages.
+INTERLEAVED_NAMES = ("ours", *(n for n in NAMES if BASELINES.get(n) == "ours"))
 
 
 def _turns(names, round_index):
@@ -272,8 +274,7 @@ def main(argv=None):
     args = parser.parse_args(argv)
     if args.interleave:
         names = (args.names.split(",") if args.names else
-                 ["ours", "ours:ema", "ours:ema_power", "ours:swa",
-                  "ours:powerema"])
+                 INTERLEAVED_NAMES)
         try:
             run_interleaved(names)
         except ValueError as error:

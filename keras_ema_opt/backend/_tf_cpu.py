@@ -161,18 +161,11 @@ def _packed(owner, variables):
 
 
 def _in_graph(graph, tensor):
-    """The tensor of function graph ``graph`` standing for eager ``tensor``
-    (its capture, directly or through the captures of the graphs around
-    it), or None where the graph does not take it."""
-    inner = graph._function_captures.by_val_internal.get(id(tensor))
-    if inner is not None:
-        return inner
-    outer = graph.outer_graph
-    if isinstance(outer, func_graph.FuncGraph):
-        around = _in_graph(outer, tensor)
-        if around is not None:
-            return graph._function_captures.by_val_internal.get(id(around))
-    return None
+    """The placeholder of function graph ``graph`` capturing eager
+    ``tensor``, or None where the graph does not take it. Every function
+    graph (a ``tf.cond`` branch's and a loop body's too) captures an eager
+    tensor directly, keyed by its ``id``."""
+    return graph._function_captures.by_val_internal.get(id(tensor))
 
 
 def _order_around_packs(op, reads, writes):

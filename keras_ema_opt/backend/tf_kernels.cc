@@ -66,7 +66,8 @@ class AdamAverageOp : public OpKernel {
                     " slot handles (2 + averages a variable), got shape ",
                     slots.shape().DebugString()));
     const auto slot_handles = slots.flat<ResourceHandle>();
-    const Tensor& scalars = ctx->input(num_variables_ + 1 + num_variables_);
+    const int grads_at = num_variables_ + 1;  // after the weights, the pack
+    const Tensor& scalars = ctx->input(grads_at + num_variables_);
     OP_REQUIRES(ctx,
                 scalars.NumElements() == keras_ema_opt::kRuleScalars +
                                              averages_,
@@ -103,7 +104,7 @@ class AdamAverageOp : public OpKernel {
     std::vector<Tensor> held;  // the buffers written, alive to the end
     held.reserve(handles);
     for (int v = 0; v < num_variables_; ++v) {
-      const Tensor& grad = ctx->input(num_variables_ + 1 + v);
+      const Tensor& grad = ctx->input(grads_at + v);
       float* buffers[3 + keras_ema_opt::kMaxAverages];
       for (int k = 0; k < per; ++k) {
         Var* var = vars[v * per + k].get();
