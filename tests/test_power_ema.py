@@ -295,3 +295,127 @@ def test_snapshot_refuses_two_averages_of_one_path(tmp_path):
                        r"path 'w'"):
         opt.save_snapshot()
     assert list(tmp_path.iterdir()) == []
+
+
+def test_synthesis_fits_each_snapshot_at_its_last_update(tmp_path):
+    # every=10, snapshot_every=15: the snapshot of step 15 holds the
+    # averages of step 10 (the last update), and must be fitted as the
+    # profile on [0, 10] (fitted on [0, 15], the reconstruction of a width
+    # between the stored ones was off by 1e-3 of the weights).
+    every, snap, steps = 10, 15, 300
+    averaging = keras_ema_opt.PowerEMA(
+        sigma_rels=(0.05, 0.10), every=every, snapshot_every=snap,
+        snapshot_dir=tmp_path)
+    rng = np.random.default_rng(5)
+    w0 = rng.normal(size=(2, 3)).astype("float32")
+    w = keras.Variable(w0)
+    opt = keras_ema_opt.SGD(learning_rate=1.0, averaging=averaging)
+    weights = [w0.astype(np.float64)]
+    for step in range(1, steps + 1):
+        opt.apply_gradients([(keras.ops.convert_to_tensor(
+            -np.ones(w0.shape, "float32")), w)])
+        weights.append(to_numpy(w).astype(np.float64))
+        if step % snap == 0:
+            opt.save_snapshot()
+    first = averaging.synthesize(0.05, step=15)[w.path]
+    np.testing.assert_allclose(first, _reference(weights[:11],
+                                                 std_to_exp(0.05), every),
+                               rtol=1e-5, atol=1e-5)
+    # The float64 power EMA of each width, updated as PowerEMA does (every
+    # 10 steps), up to step 300: off by 1.5e-5 and 1.9e-4 of it (0.15 lies
+    # past both stored widths); fitted at the snapshots' steps, 9.7e-4 and
+    # 2.6e-3.
+    for sigma, rtol in ((0.08, 1e-4), (0.15, 5e-4)):
+        expected = _reference(weights, std_to_exp(sigma), every)
+        got = averaging.synthesize(sigma)[w.path].astype(np.float64)
+        np.testing.assert_allclose(got, expected, rtol=rtol)
+
+
+def test_align_paths_under_a_model_name():
+    from keras_ema_opt.averaging.posthoc import align_paths
+
+    built = ["sequential/d1/kernel", "sequential/d1/bias"]
+    loaded = ["d1/kernel", "d1/bias"]
+    again = ["sequential_1/d1/kernel", "sequential_1/d1/bias"]
+    assert align_paths(built, built + ["x"]) == {p: p for p in built}
+    assert align_paths(built, loaded) == dict(zip(built, loaded))
+    assert align_paths(loaded, built) == dict(zip(loaded, built))
+    assert align_paths(built, again) == dict(zip(built, again))
+    # Not under one name: no map; nor a path that names nothing.
+    assert align_paths(["a/x", "b/x"], ["x"]) is None
+    assert align_paths(built, ["d1/kernel"]) is None
+    assert align_paths(["sequential/d2/kernel"], loaded) is None
+
+
+def test_snapshots_and_assign_by_path_across_a_save_and_load(tmp_path):
+    # Keras 3 names a built Sequential's variables `sequential/d1/kernel`
+    # and the same model loaded from a .keras file `d1/kernel`: snapshots
+    # written before and after a resume must still make one solve, and
+    # each assign into either model.
+    x = np.random.default_rng(0).normal(size=(16, 3)).astype("float32")
+    y = x.sum(axis=1, keepdims=True)
+    folder = tmp_path / "snapshots"
+
+    def layers():
+        return [keras.Input((3,)), keras.layers.Dense(4, name="d1"),
+                keras.layers.Dense(1, name="d2")]
+
+    model = keras.Sequential(layers())
+    averaging = keras_ema_opt.PowerEMA(sigma_rels=(0.05, 0.10),
+                                       snapshot_every=4,
+                                       snapshot_dir=str(folder),
+                                       finalize=False)
+    model.compile(optimizer=keras_ema_opt.Adam(0.01, averaging=averaging),
+                  loss="mse")
+    model.fit(x, y, batch_size=2, verbose=0,
+              callbacks=[PowerEMASnapshots()])
+    before = {v.path for v in model.trainable_variables}
+    name = model.name  # `sequential`, or `sequential_<n>` after others
+    assert all(path.startswith(name + "/") for path in before)
+    model.save(tmp_path / "mid.keras")
+    loaded = keras.saving.load_model(tmp_path / "mid.keras")
+    after = {v.path for v in loaded.trainable_variables}
+    # Keras 3.15 drops the model's name from a loaded model's paths.
+    kept = name + "/" if after == before else ""
+    loaded.fit(x, y, batch_size=2, verbose=0,
+               callbacks=[PowerEMASnapshots()])
+    steps = [int(p.name[6:15]) for p in sorted(folder.iterdir())]
+    assert steps == [4, 8, 12, 16]
+
+    # All four snapshots in one solve; a stored width at the last step
+    # gives its average back.
+    opt = loaded.optimizer
+    stored = averaging.synthesize(0.10)
+    for v in loaded.trainable_variables:
+        np.testing.assert_allclose(stored[v.path],
+                                   to_numpy(opt.average_of(v, 1)),
+                                   rtol=1e-3, atol=1e-3)
+    # The same solve over copies of the snapshots whose paths are renamed
+    # as the loaded model's, nothing else changed.
+    from keras_ema_opt.averaging import posthoc
+
+    renamed = tmp_path / "renamed"
+    for meta, arrays in posthoc.read_snapshots(str(folder)):
+        posthoc.write_snapshot(
+            str(renamed), meta["step"], meta["gammas"], meta["every"],
+            {k.replace(name + "/", "", 1) if not kept else k: a
+             for k, a in arrays.items()})
+    expected = posthoc.synthesize(str(renamed), std_to_exp(0.08))
+    got = averaging.synthesize(0.08)
+    assert set(got) == set(expected) == after
+    for path in after:
+        np.testing.assert_array_equal(got[path], expected[path])
+
+    # A reconstruction from the snapshots before the save (named as the
+    # built model) goes into the loaded model and into a model built again
+    # under another name.
+    early = averaging.synthesize(0.08, step=8)
+    assert set(early) == before
+    again = keras.Sequential(layers())
+    assert again.name != name
+    for target, head in ((loaded, kept), (again, again.name + "/")):
+        keras_ema_opt.averaging.assign_by_path(target, early)
+        for v in target.trainable_variables:
+            assert v.path.startswith(head)
+            np.testing.assert_array_equal(
+                to_numpy(v), early[name + "/" + v.path[len(head):]])

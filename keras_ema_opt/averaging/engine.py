@@ -562,17 +562,25 @@ def assign_by_path(model, weights):
     """Assign ``{variable path: array}`` to the variables of ``model``.
 
     Every entry must name a variable of the model with the same shape: no
-    silent mismatch.
+    silent mismatch. A path may name the model's variable under another
+    model name, or without it, where all the paths of one side lie under
+    one (``sequential/d1/kernel`` and ``d1/kernel``: Keras 3 puts a
+    ``Sequential`` or subclassed model's name at the head of its
+    variables' paths when it builds them, not when it loads them from a
+    ``.keras`` file; ``posthoc.align_paths``).
     """
+    from keras_ema_opt.averaging import posthoc
+
     by_path = {v.path: v for v in model_variables(model)}
-    unknown = sorted(set(weights) - set(by_path))
-    if unknown:
+    names = posthoc.align_paths(weights, by_path)
+    if names is None:
+        unknown = sorted(set(weights) - set(by_path))
         raise KeyError(
             f"{len(unknown)} weight(s) name no variable of the model: "
             f"{unknown[:5]}. The model's variables: {sorted(by_path)[:5]}..."
         )
     for path, value in weights.items():
-        var = by_path[path]
+        var = by_path[names[path]]
         if tuple(var.shape) != tuple(np.shape(value)):
             raise ValueError(
                 f"Shape mismatch for {path}: the model has "

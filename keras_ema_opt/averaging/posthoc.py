@@ -144,12 +144,77 @@ def read_snapshots(directory, max_step=None):
             for meta, path in _index(directory, max_step)]
 
 
+def profile_end(meta):
+    """A snapshot's ``t_i``: the step of its averages' last update.
+
+    ``PowerEMA`` updates its averages at the multiples of ``every`` (it
+    has no ``start_step``), and a snapshot can be written between two of
+    them (``snapshot_every`` not a multiple of ``every``, or a callback
+    call that passes the snapshot's step under ``steps_per_execution``):
+    its averages then hold the profile on ``[0, step // every * every]``,
+    not on ``[0, step]``. 0: no update yet, no profile.
+    """
+    every = meta.get("every", 1)
+    if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+        every = 1
+    return meta["step"] // every * every
+
+
+def _head(paths):
+    """The first component shared by every path (``sequential`` of
+    ``sequential/d1/kernel``), or None."""
+    heads = {path.split("/", 1)[0] for path in paths}
+    if len(heads) != 1 or not all("/" in path for path in paths):
+        return None
+    return heads.pop()
+
+
+def align_paths(keys, targets):
+    """Map each of ``keys`` to one of ``targets``, one to one, by path.
+
+    The same path; or, where one side's paths all lie under one model name
+    (Keras 3 puts a ``Sequential`` or subclassed model's name at the head
+    of its variables' paths when it builds them: ``sequential/d1/kernel``;
+    the same model loaded from a ``.keras`` file has ``d1/kernel``, and a
+    second one built in the same process ``sequential_1/d1/kernel``), the
+    same path under that name or without it. Callers check the shapes.
+
+    Returns:
+        A dict ``key -> target``, or None where no such map names every
+        key.
+    """
+    keys, targets = list(keys), list(targets)
+    known = set(targets)
+    if all(key in known for key in keys):
+        return {key: key for key in keys}
+
+    def tail(path):
+        return path.split("/", 1)[1]
+
+    key_head, target_head = _head(keys), _head(targets)
+    unheaded = {tail(t): t for t in targets} if target_head else None
+    if key_head is not None:
+        # Saved under a model's name; the targets without it, or under
+        # another name.
+        for lookup in (dict(zip(targets, targets)), unheaded):
+            if lookup is not None and all(
+                    tail(key) in lookup for key in keys):
+                return {key: lookup[tail(key)] for key in keys}
+    if unheaded is not None and all(key in unheaded for key in keys):
+        return {key: unheaded[key] for key in keys}
+    return None
+
+
 def synthesize(directory, gamma, step=None):
     """The weights of a power EMA of exponent ``gamma`` at ``step``.
 
     The snapshots are read one at a time (memory: the result and one
     snapshot), and every snapshot must hold the same variables, with the
-    same shapes, as the last one.
+    same shapes, as the last one (by path, where a model saved and loaded
+    again names them under another model name: ``align_paths``). Each
+    snapshot is fitted as the profile ending at its averages' last update
+    (``profile_end``: with ``every > 1``, the last multiple of ``every``
+    up to its step).
 
     Args:
         directory: Folder of snapshots written by a ``PowerEMA``.
@@ -157,24 +222,27 @@ def synthesize(directory, gamma, step=None):
             ``sigma_rel``).
         step: Target step, one of the snapshots' steps (a power EMA at a
             later step averages weights no snapshot saw); default: the last
-            snapshot's.
+            snapshot's. The result is the power EMA as that snapshot's
+            averages hold it, at their last update.
 
     Returns:
-        A dict ``variable path -> float32 numpy array``.
+        A dict ``variable path -> float32 numpy array``, the paths as the
+        snapshot of ``step`` names them.
 
     Raises:
         InvalidArgumentError: a step that is not a snapshot's, no snapshots,
             a damaged file, or snapshots that do not come from one model
             (each named).
     """
-    # A snapshot of step 0 (before any update) has no power-function
-    # profile to fit: EDM2 keeps the snapshots of 0 < t_i <= t.
+    # A snapshot before the first update has no power-function profile
+    # to fit: EDM2 keeps the snapshots of 0 < t_i <= t.
     index = [(meta, path) for meta, path in _index(directory)
-             if meta["step"] > 0]
+             if profile_end(meta) > 0]
     if not index:
         raise InvalidArgumentError(
-            f"No power-EMA snapshots after step 0 in {directory!r}. "
-            "PowerEMA writes them every `snapshot_every` steps.")
+            f"No power-EMA snapshots after the first update in "
+            f"{directory!r}. PowerEMA writes them every `snapshot_every` "
+            "steps.")
     steps = [meta["step"] for meta, _ in index]
     if step is None:
         step = steps[-1]
@@ -187,13 +255,21 @@ def synthesize(directory, gamma, step=None):
             "power EMA on [0, step] only where they reach it. "
             f"Received: step={step!r}")
     step = int(step)
-    index = [(meta, path) for meta, path in index if meta["step"] <= step]
+    # Each snapshot's profile ends at its last update (`profile_end`);
+    # snapshots written between the same two updates hold the same
+    # averages: the last of them is kept (it is the target's own where
+    # the target is among them).
+    by_end = {}
+    for meta, path in index:
+        if meta["step"] <= step:
+            by_end[profile_end(meta)] = (meta, path)
+    index = [by_end[end] for end in sorted(by_end)]
     in_t, in_gamma = [], []
     for meta, _ in index:
         for g in meta["gammas"]:
-            in_t.append(meta["step"])
+            in_t.append(profile_end(meta))
             in_gamma.append(g)
-    x = solve_coefficients(in_t, in_gamma, [step], [gamma])[:, 0]
+    x = solve_coefficients(in_t, in_gamma, [in_t[-1]], [gamma])[:, 0]
     last_path = index[-1][1]
     last = _read_arrays(last_path)
     shapes = {k.split("/", 1)[1]: v.shape for k, v in last.items()
@@ -204,9 +280,13 @@ def synthesize(directory, gamma, step=None):
     k = 0
     for meta, path in index:
         arrays = _read_arrays(path)
+        # A model saved and loaded again (or built again in another
+        # process) may name the same variables under another model name.
+        names = align_paths(shapes, [key.split("/", 1)[1] for key in arrays
+                                     if key.startswith("0/")]) or {}
         for slot in range(len(meta["gammas"])):
             for name, shape in shapes.items():
-                key = f"{slot}/{name}"
+                key = f"{slot}/{names.get(name, name)}"
                 if key not in arrays:
                     raise InvalidArgumentError(
                         f"Snapshot variable {name!r} (slot {slot}) is "
