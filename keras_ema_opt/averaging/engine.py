@@ -562,9 +562,10 @@ def assign_by_path(model, weights):
     """Assign ``{variable path: array}`` to the variables of ``model``.
 
     Every entry must name a variable of the model with the same shape: no
-    silent mismatch. A path may name the model's variable under another
-    model name, or without it, where all the paths of one side lie under
-    one (``sequential/d1/kernel`` and ``d1/kernel``: Keras 3 puts a
+    silent mismatch; the shapes are all checked before any variable is
+    assigned. A path may also name the variable under another name of the
+    model, or without the model's name (``sequential/d1/kernel``,
+    ``sequential_1/d1/kernel`` and ``d1/kernel``: Keras 3 puts a
     ``Sequential`` or subclassed model's name at the head of its
     variables' paths when it builds them, not when it loads them from a
     ``.keras`` file; ``posthoc.align_paths``).
@@ -579,11 +580,14 @@ def assign_by_path(model, weights):
             f"{len(unknown)} weight(s) name no variable of the model: "
             f"{unknown[:5]}. The model's variables: {sorted(by_path)[:5]}..."
         )
-    for path, value in weights.items():
+    for path, value in weights.items():  # every shape before any assign
         var = by_path[names[path]]
         if tuple(var.shape) != tuple(np.shape(value)):
+            named = "" if names[path] == path else f" ({var.path} here)"
             raise ValueError(
-                f"Shape mismatch for {path}: the model has "
+                f"Shape mismatch for {path}{named}: the model has "
                 f"{tuple(var.shape)}, the weights {tuple(np.shape(value))}."
             )
+    for path, value in weights.items():
+        var = by_path[names[path]]
         var.assign(ops.cast(value, var.dtype))

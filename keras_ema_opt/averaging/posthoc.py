@@ -18,6 +18,7 @@ the closed form ``<p_a, p_b> = (g_a + 1)(g_b + 1)(t_a / t_b)^e /
 import glob
 import json
 import os
+import re
 import zipfile
 
 import numpy as np
@@ -108,6 +109,11 @@ def _read_meta(path):
         raise _snapshot_error(
             path, f"its metadata {meta!r} lacks an integer `step` and a "
             "list of `gammas`")
+    every = meta.get("every", 1)  # written by every version since 2f21de0
+    if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+        raise _snapshot_error(
+            path, f"its update interval `every` is {every!r}, not a "
+            "positive integer")
     return meta
 
 
@@ -155,54 +161,68 @@ def profile_end(meta):
     not on ``[0, step]``. 0: no update yet, no profile.
     """
     every = meta.get("every", 1)
-    if isinstance(every, bool) or not isinstance(every, int) or every < 1:
-        every = 1
     return meta["step"] // every * every
 
 
-def _head(paths):
-    """The first component shared by every path (``sequential`` of
-    ``sequential/d1/kernel``), or None."""
-    heads = {path.split("/", 1)[0] for path in paths}
-    if len(heads) != 1 or not all("/" in path for path in paths):
-        return None
-    return heads.pop()
+def _family(name):
+    """A model's name without the ``_<n>`` Keras' naming adds to the second
+    and later models of a name in a process (``sequential_1``)."""
+    return re.sub(r"_[0-9]+$", "", name)
+
+
+def _under_models(paths):
+    """``{head: {rest: path}}`` of the paths with a head above a layer's
+    path (``sequential`` of ``sequential/d1/kernel``; not ``d1`` of
+    ``d1/kernel``)."""
+    groups = {}
+    for path in paths:
+        parts = path.split("/", 1)
+        if len(parts) == 2 and "/" in parts[1]:
+            groups.setdefault(parts[0], {})[parts[1]] = path
+    return groups
 
 
 def align_paths(keys, targets):
     """Map each of ``keys`` to one of ``targets``, one to one, by path.
 
-    The same path; or, where one side's paths all lie under one model name
-    (Keras 3 puts a ``Sequential`` or subclassed model's name at the head
-    of its variables' paths when it builds them: ``sequential/d1/kernel``;
-    the same model loaded from a ``.keras`` file has ``d1/kernel``, and a
-    second one built in the same process ``sequential_1/d1/kernel``), the
-    same path under that name or without it. Callers check the shapes.
+    The same path; or else, where the keys all lie under one model's name
+    (a head above their layers' paths), the same path without it or under
+    another name of the model (``sequential`` and ``sequential_1``), or,
+    where they lie under none, the same path under one model's name among
+    the targets. Keras 3 puts a ``Sequential`` or subclassed model's name
+    at the head of its variables' paths when it builds them
+    (``sequential/d1/kernel``); the same model loaded from a ``.keras``
+    file has ``d1/kernel``, and one built again in the same process
+    ``sequential_1/d1/kernel``. Layers of other names are never matched
+    (``d1/kernel`` and ``d2/kernel``, ``encoder/...`` and ``decoder/...``).
+    Callers check the shapes.
 
     Returns:
-        A dict ``key -> target``, or None where no such map names every
-        key.
+        A dict ``key -> target``, or None where no map, or more than one,
+        names every key.
     """
     keys, targets = list(keys), list(targets)
     known = set(targets)
     if all(key in known for key in keys):
         return {key: key for key in keys}
-
-    def tail(path):
-        return path.split("/", 1)[1]
-
-    key_head, target_head = _head(keys), _head(targets)
-    unheaded = {tail(t): t for t in targets} if target_head else None
-    if key_head is not None:
-        # Saved under a model's name; the targets without it, or under
-        # another name.
-        for lookup in (dict(zip(targets, targets)), unheaded):
-            if lookup is not None and all(
-                    tail(key) in lookup for key in keys):
-                return {key: lookup[tail(key)] for key in keys}
-    if unheaded is not None and all(key in unheaded for key in keys):
-        return {key: unheaded[key] for key in keys}
-    return None
+    key_groups = _under_models(keys)
+    target_groups = _under_models(targets)
+    found = []
+    if len(key_groups) == 1 and len(next(iter(key_groups.values()))) == len(
+            keys):
+        (head, rests), = key_groups.items()
+        rest_of = {path: rest for rest, path in rests.items()}
+        if all(rest_of[key] in known for key in keys):
+            found.append({key: rest_of[key] for key in keys})
+        for other, paths in target_groups.items():
+            if other != head and _family(other) == _family(head) and all(
+                    rest_of[key] in paths for key in keys):
+                found.append({key: paths[rest_of[key]] for key in keys})
+    elif not key_groups:
+        for paths in target_groups.values():
+            if all(key in paths for key in keys):
+                found.append({key: paths[key] for key in keys})
+    return found[0] if len(found) == 1 else None
 
 
 def synthesize(directory, gamma, step=None):
@@ -234,21 +254,37 @@ def synthesize(directory, gamma, step=None):
             a damaged file, or snapshots that do not come from one model
             (each named).
     """
-    # A snapshot before the first update has no power-function profile
-    # to fit: EDM2 keeps the snapshots of 0 < t_i <= t.
-    index = [(meta, path) for meta, path in _index(directory)
-             if profile_end(meta) > 0]
+    # Each snapshot's profile ends at its averages' last update
+    # (`profile_end`), never before an earlier snapshot's (a run resumed
+    # with a larger `every` keeps the averages of its last update under
+    # the former one until its first update under the new). A snapshot
+    # before the first update has no power-function profile to fit: EDM2
+    # keeps the snapshots of 0 < t_i <= t.
+    index, end = [], 0
+    for meta, path in _index(directory):
+        end = max(end, profile_end(meta))
+        index.append((meta, path, end))
+    early = {meta["step"]: meta for meta, _, e in index if e == 0}
+    index = [item for item in index if item[2] > 0]
     if not index:
         raise InvalidArgumentError(
             f"No power-EMA snapshots after the first update in "
             f"{directory!r}. PowerEMA writes them every `snapshot_every` "
             "steps.")
-    steps = [meta["step"] for meta, _ in index]
+    steps = [meta["step"] for meta, _, _ in index]
     if step is None:
         step = steps[-1]
+    shown = steps if len(steps) <= 8 else steps[:4] + ["..."] + steps[-3:]
+    if not isinstance(step, (bool, np.bool_)) and isinstance(
+            step, (int, np.integer)) and int(step) in early:
+        raise InvalidArgumentError(
+            f"The snapshot of step {int(step)} in {directory!r} holds no "
+            "update yet (PowerEMA updates its averages every "
+            f"{early[int(step)].get('every', 1)} steps): it has no profile "
+            f"to fit. `step` must be one of {shown}. Received: "
+            f"step={step!r}")
     if isinstance(step, (bool, np.bool_)) or not isinstance(
             step, (int, np.integer)) or int(step) not in steps:
-        shown = steps if len(steps) <= 8 else steps[:4] + ["..."] + steps[-3:]
         raise InvalidArgumentError(
             "`step` must be the step of one of the snapshots in "
             f"{directory!r} ({shown}): the snapshots fit the profile of a "
@@ -260,14 +296,14 @@ def synthesize(directory, gamma, step=None):
     # averages: the last of them is kept (it is the target's own where
     # the target is among them).
     by_end = {}
-    for meta, path in index:
+    for meta, path, end in index:
         if meta["step"] <= step:
-            by_end[profile_end(meta)] = (meta, path)
+            by_end[end] = (meta, path, end)
     index = [by_end[end] for end in sorted(by_end)]
     in_t, in_gamma = [], []
-    for meta, _ in index:
+    for meta, _, end in index:
         for g in meta["gammas"]:
-            in_t.append(profile_end(meta))
+            in_t.append(end)
             in_gamma.append(g)
     x = solve_coefficients(in_t, in_gamma, [in_t[-1]], [gamma])[:, 0]
     last_path = index[-1][1]
@@ -278,7 +314,7 @@ def synthesize(directory, gamma, step=None):
     totals = {name: np.zeros(shape, np.float64)
               for name, shape in shapes.items()}
     k = 0
-    for meta, path in index:
+    for meta, path, _ in index:
         arrays = _read_arrays(path)
         # A model saved and loaded again (or built again in another
         # process) may name the same variables under another model name.
@@ -286,15 +322,17 @@ def synthesize(directory, gamma, step=None):
                                      if key.startswith("0/")]) or {}
         for slot in range(len(meta["gammas"])):
             for name, shape in shapes.items():
-                key = f"{slot}/{names.get(name, name)}"
+                here = names.get(name, name)
+                key = f"{slot}/{here}"
                 if key not in arrays:
                     raise InvalidArgumentError(
                         f"Snapshot variable {name!r} (slot {slot}) is "
                         f"missing from {path}, which {last_path} has: the "
                         "snapshots do not come from one model.")
                 if arrays[key].shape != shape:
+                    named = name if here == name else f"{here!r} there"
                     raise InvalidArgumentError(
-                        f"Snapshot variable {name!r} has shape "
+                        f"Snapshot variable {name!r} ({named}) has shape "
                         f"{arrays[key].shape} in {path} and {shape} in "
                         f"{last_path}: the snapshots do not come from one "
                         "model.")
