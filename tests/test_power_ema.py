@@ -341,10 +341,24 @@ def test_align_paths_under_a_model_name():
     assert align_paths(built, loaded) == dict(zip(built, loaded))
     assert align_paths(loaded, built) == dict(zip(loaded, built))
     assert align_paths(built, again) == dict(zip(built, again))
-    # A built model's variables outside its name (a Dropout's seed
-    # generator) do not stand in the way.
+    # Into a model (`assign_by_path`): its variables outside its name (a
+    # Dropout's seed generator) do not stand in the way.
     seeded = built + ["seed_generator/seed_generator_state"]
-    assert align_paths(loaded, seeded) == dict(zip(loaded, built))
+    assert align_paths(loaded, seeded, model_name="sequential") == dict(
+        zip(loaded, built))
+    assert align_paths(built, again, model_name="sequential_1") == dict(
+        zip(built, again))
+    # Layers with layers of their own (`outer/inner/kernel`) lie under no
+    # model's name.
+    nested = ["d1/kernel", "outer/w", "outer/inner/kernel"]
+    nested_built = ["sequential/" + p for p in nested]
+    assert align_paths(nested, nested_built) == dict(zip(nested,
+                                                         nested_built))
+    assert align_paths(nested_built, nested) == dict(zip(nested_built,
+                                                         nested))
+    assert align_paths(["block/d/kernel"], ["sequential/block/d/kernel"],
+                       model_name="sequential") == {
+        "block/d/kernel": "sequential/block/d/kernel"}
     # Not under one name: no map; nor a path that names nothing.
     assert align_paths(["a/x", "b/x"], ["x"]) is None
     assert align_paths(built, ["d1/kernel"]) is None
@@ -355,6 +369,17 @@ def test_align_paths_under_a_model_name():
     assert align_paths(["encoder/dense/kernel"],
                        ["decoder/dense/kernel"]) is None
     assert align_paths(["d1/kernel", "d1/bias"], ["kernel", "bias"]) is None
+    # A layer's name is not a model's: not taken off where the map would
+    # leave the layer's own variables aside, nor into a model of another
+    # name.
+    assert align_paths(["encoder/dense/kernel"],
+                       ["dense/kernel", "encoder/dense_1/kernel"]) is None
+    assert align_paths(["encoder/dense/kernel"], ["functional/dense/kernel"],
+                       model_name="functional") is None
+    assert align_paths(["block_1/d/kernel"], ["block_2/d/kernel"],
+                       model_name="functional") is None
+    assert align_paths(["dense/kernel"], ["encoder/dense/kernel",
+                                          "decoder/dense_1/kernel"]) is None
     # Two models that could each take them: none chosen.
     assert align_paths(loaded, built + again) is None
 

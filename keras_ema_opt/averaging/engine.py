@@ -573,7 +573,8 @@ def assign_by_path(model, weights):
     from keras_ema_opt.averaging import posthoc
 
     by_path = {v.path: v for v in model_variables(model)}
-    names = posthoc.align_paths(weights, by_path)
+    names = posthoc.align_paths(weights, by_path,
+                                model_name=getattr(model, "name", None) or "")
     if names is None:
         unknown = sorted(set(weights) - set(by_path))
         raise KeyError(

@@ -170,31 +170,38 @@ def _family(name):
     return re.sub(r"_[0-9]+$", "", name)
 
 
-def _under_models(paths):
-    """``{head: {rest: path}}`` of the paths with a head above a layer's
-    path (``sequential`` of ``sequential/d1/kernel``; not ``d1`` of
-    ``d1/kernel``)."""
-    groups = {}
+def _under_one(paths, head=None):
+    """``(head, {rest: path})`` where every path lies under one head above
+    a layer's path (``sequential`` of ``sequential/d1/kernel``, not ``d1``
+    of ``d1/kernel``), that one if given; else None."""
+    rests = {}
     for path in paths:
         parts = path.split("/", 1)
-        if len(parts) == 2 and "/" in parts[1]:
-            groups.setdefault(parts[0], {})[parts[1]] = path
-    return groups
+        if len(parts) != 2 or "/" not in parts[1] or (
+                head is not None and parts[0] != head):
+            return None
+        head = parts[0]
+        rests[parts[1]] = path
+    return None if head is None else (head, rests)
 
 
-def align_paths(keys, targets):
+def align_paths(keys, targets, model_name=None):
     """Map each of ``keys`` to one of ``targets``, one to one, by path.
 
-    The same path; or else, where the keys all lie under one model's name
-    (a head above their layers' paths), the same path without it or under
-    another name of the model (``sequential`` and ``sequential_1``), or,
-    where they lie under none, the same path under one model's name among
-    the targets. Keras 3 puts a ``Sequential`` or subclassed model's name
-    at the head of its variables' paths when it builds them
+    The same path; or else the same path without a model's name, or under
+    another name of that model (the same but for the ``_<n>`` Keras adds):
+    Keras 3 puts a ``Sequential`` or subclassed model's name at the head
+    of its variables' paths when it builds them
     (``sequential/d1/kernel``); the same model loaded from a ``.keras``
     file has ``d1/kernel``, and one built again in the same process
-    ``sequential_1/d1/kernel``. Layers of other names are never matched
-    (``d1/kernel`` and ``d2/kernel``, ``encoder/...`` and ``decoder/...``).
+    ``sequential_1/d1/kernel``.
+
+    A head counts as a model's name only where it is ``model_name`` (the
+    targets' model, for ``assign_by_path``) or of its family, or, without
+    ``model_name`` (snapshots matched with each other), where the keys or
+    the targets all lie under it and the map then names every target: a
+    layer's name is never taken off or changed (``d1/kernel`` never
+    matches ``d2/kernel``, nor ``encoder/dense/kernel`` ``dense/kernel``).
     Callers check the shapes.
 
     Returns:
@@ -203,25 +210,38 @@ def align_paths(keys, targets):
     """
     keys, targets = list(keys), list(targets)
     known = set(targets)
+    if len(set(keys)) != len(keys):
+        return None
     if all(key in known for key in keys):
         return {key: key for key in keys}
-    key_groups = _under_models(keys)
-    target_groups = _under_models(targets)
+    whole = model_name is None  # each snapshot holds the same variables
+    under_keys = _under_one(keys)
+    if model_name is None:
+        under_targets = _under_one(targets)
+    else:
+        # The model's own variables; others (a seed generator's) aside.
+        prefix = model_name + "/"
+        under_targets = _under_one(
+            [t for t in targets if t.startswith(prefix)], model_name)
     found = []
-    if len(key_groups) == 1 and len(next(iter(key_groups.values()))) == len(
-            keys):
-        (head, rests), = key_groups.items()
+    if under_keys is not None and (
+            model_name is None or _family(under_keys[0]) == _family(
+                model_name)):
+        head, rests = under_keys
         rest_of = {path: rest for rest, path in rests.items()}
         if all(rest_of[key] in known for key in keys):
             found.append({key: rest_of[key] for key in keys})
-        for other, paths in target_groups.items():
+        if under_targets is not None:
+            other, paths = under_targets
             if other != head and _family(other) == _family(head) and all(
                     rest_of[key] in paths for key in keys):
                 found.append({key: paths[rest_of[key]] for key in keys})
-    elif not key_groups:
-        for paths in target_groups.values():
-            if all(key in paths for key in keys):
-                found.append({key: paths[key] for key in keys})
+    if under_targets is not None:
+        _, paths = under_targets
+        if all(key in paths for key in keys):
+            found.append({key: paths[key] for key in keys})
+    if whole:
+        found = [m for m in found if set(m.values()) == known]
     return found[0] if len(found) == 1 else None
 
 
