@@ -199,10 +199,10 @@ def align_paths(keys, targets, model_name=None):
     A head counts as a model's name only where it is ``model_name`` (the
     targets' model, for ``assign_by_path``) or of its family, or, without
     ``model_name`` (snapshots matched with each other), where the keys or
-    the targets all lie under it and the map then names every target: a
-    layer's name is never taken off or changed (``d1/kernel`` never
-    matches ``d2/kernel``, nor ``encoder/dense/kernel`` ``dense/kernel``).
-    Callers check the shapes.
+    the targets all lie under it and the map then names every target. So
+    ``d1/kernel`` never matches ``d2/kernel``, nor ``encoder/dense/kernel``
+    a ``dense/kernel`` beside an ``encoder/dense_1/kernel``, nor, into a
+    model, ``block_1/...`` its ``block_2/...``. Callers check the shapes.
 
     Returns:
         A dict ``key -> target``, or None where no map, or more than one,
