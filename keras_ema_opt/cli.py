@@ -14,6 +14,7 @@ code from ``main(argv)``.
 import argparse
 import importlib.metadata
 import json
+import signal
 import sys
 
 from keras_ema_opt.errors import InvalidArgumentError
@@ -42,6 +43,8 @@ def _demo(args):
     except InvalidArgumentError as e:
         print(f"keras-ema-opt demo: {e}", file=sys.stderr)
         return 1
+    except Exception as e:  # one line, non-zero exit (an unwritable folder)
+        return _report("demo", e)
     print()
     print(f"Keras backend: {result['backend']}, {result['seconds']} s")
     print(demo.format_table(result))
@@ -122,21 +125,46 @@ def _migrate(args):
 
     say = _Progress(args.quiet)
 
+    def terminate(signum, frame):
+        raise _Stopped("terminated")
+
+    # SIGTERM as an exception: the migration's `finally` removes its
+    # temporary file, as on Ctrl-C.
+    previous = signal.signal(signal.SIGTERM, terminate)
     try:
         model = _load_attr(args.model, "--model") if args.model else None
         model_ = savedmodel.migrate(
             args.src, args.dst, custom_objects=_custom_objects(
                 args.custom_objects), safe_mode=not args.unsafe,
-            model=model, verify=not args.no_verify, progress=say)
+            model=model, verify=not args.no_verify, progress=say,
+            overwrite=args.overwrite)
     except Exception as e:  # one line, non-zero exit; typed errors named
         return _report("migrate", e)
+    except (KeyboardInterrupt, _Stopped) as e:
+        stopped = "interrupted" if isinstance(e, KeyboardInterrupt) else (
+            "terminated")
+        print(f"keras-ema-opt migrate: {stopped}; {args.dst} not written",
+              file=sys.stderr)
+        return 130 if stopped == "interrupted" else 143
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     import keras
 
-    optimizer = model_.optimizer
+    optimizer = getattr(model_, "optimizer", None)
+    if optimizer is None:
+        print(f"wrote {args.dst}: {len(model_.weights)} weights, no "
+              "optimizer (the source was not compiled, or was saved "
+              "without it)")
+        return 0
     step = int(keras.ops.convert_to_numpy(optimizer.iterations))
     print(f"wrote {args.dst}: {len(model_.weights)} weights, optimizer "
           f"{type(optimizer).__name__} at iteration {step}")
     return 0
+
+
+class _Stopped(BaseException):
+    """SIGTERM during ``migrate`` (a BaseException, as KeyboardInterrupt:
+    no ``except Exception`` on the way swallows it)."""
 
 
 def _report(command, error):
@@ -230,6 +258,9 @@ def _parser():
                          help="skip reloading and comparing the output")
     migrate.add_argument("--unsafe", action="store_true",
                          help="allow Lambda layers (runs stored bytecode)")
+    migrate.add_argument("--overwrite", action="store_true",
+                         help="replace an existing destination (never the "
+                         "source)")
     migrate.add_argument("--quiet", action="store_true")
     inspect = sub.add_parser(
         "inspect", help="print what a Keras 2 artifact holds")

@@ -7,6 +7,7 @@ active: the module runs in the PyTorch backend's suite only."""
 
 import os
 import re
+import signal
 import warnings
 
 import numpy as np
@@ -216,3 +217,67 @@ def test_subclassed_model_resumes_like_tf_keras(tmp_path, fmt):
                 to_numpy(getattr(getattr(model, layer), weight)),
                 getattr(getattr(net, layer), weight).numpy(),
                 rtol=1e-5, atol=1e-6)
+
+
+def _saved_h5(tmp_path, compiled=True):
+    net = _k2_model()
+    if compiled:
+        net.compile(optimizer="adam", loss="mse")
+        net.train_on_batch(*_batches(1)[0])
+    src = str(tmp_path / "m.h5")
+    net.save(src)
+    return src
+
+
+def test_cli_replaces_an_existing_file_only_when_told_never_its_source(
+        tmp_path, capsys):
+    src = _saved_h5(tmp_path)
+    dst = tmp_path / "new.keras"
+    dst.write_text("keep me")
+    assert main(["migrate", src, str(dst), "--quiet"]) == 1
+    err = capsys.readouterr().err
+    assert "InvalidArgumentError" in err and "exists" in err
+    assert "--overwrite" in err
+    assert dst.read_text() == "keep me"
+    assert main(["migrate", src, str(dst), "--quiet", "--overwrite"]) == 0
+    model = keras.saving.load_model(dst)
+    assert int(to_numpy(model.optimizer.iterations)) == 1
+    # The source under another name: refused, even with --overwrite.
+    source = open(src, "rb").read()
+    link = tmp_path / "link.keras"
+    os.symlink(src, link)
+    assert main(["migrate", src, str(link), "--overwrite"]) == 1
+    assert "is the source itself" in capsys.readouterr().err
+    assert os.path.islink(link) and open(src, "rb").read() == source
+
+
+def test_cli_migrates_a_model_without_an_optimizer(tmp_path, capsys):
+    src = _saved_h5(tmp_path, compiled=False)
+    dst = tmp_path / "new.keras"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        assert main(["migrate", src, str(dst), "--quiet"]) == 0
+    assert "4 weights, no optimizer" in capsys.readouterr().out
+    assert keras.saving.load_model(dst).weights
+
+
+@pytest.mark.parametrize("signum, code, said", [
+    (signal.SIGINT, 130, "interrupted"), (signal.SIGTERM, 143, "terminated")])
+def test_cli_stopped_while_writing_leaves_no_file(tmp_path, capsys,
+                                                 monkeypatch, signum, code,
+                                                 said):
+    src = _saved_h5(tmp_path)
+    out = tmp_path / "out"
+    out.mkdir()
+    verify = savedmodel.verify_same
+
+    def stopped(*args, **kwargs):  # the signal while the file is written
+        os.kill(os.getpid(), signum)
+        return verify(*args, **kwargs)
+
+    monkeypatch.setattr(savedmodel, "verify_same", stopped)
+    handler = signal.getsignal(signal.SIGTERM)
+    assert main(["migrate", src, str(out / "new.keras"), "--quiet"]) == code
+    assert f"{said}; " in capsys.readouterr().err
+    assert os.listdir(out) == []  # nor the temporary file
+    assert signal.getsignal(signal.SIGTERM) is handler  # given back

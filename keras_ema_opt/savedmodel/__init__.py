@@ -332,7 +332,7 @@ def restore_checkpoint(model, path, optimizer=None):
 
 
 def migrate(src, dst, custom_objects=None, safe_mode=True, model=None,
-            verify=True, progress=None):
+            verify=True, progress=None, overwrite=True):
     """Write the Keras 3 ``.keras`` file of a Keras 2 artifact, atomically.
 
     The file is written to a temporary name beside ``dst``, then (unless
@@ -348,6 +348,9 @@ def migrate(src, dst, custom_objects=None, safe_mode=True, model=None,
         progress: Called with a message at each stage; if it also has an
             ``update(done, total)`` method, that is called while tensors
             are compared (``keras-ema-opt migrate`` shows a counter).
+        overwrite: Whether an existing ``dst`` may be replaced (the
+            command refuses it unless given ``--overwrite``). ``src``
+            itself is never replaced.
 
     Returns:
         The migrated model.
@@ -392,6 +395,15 @@ def migrate(src, dst, custom_objects=None, safe_mode=True, model=None,
         raise InvalidArgumentError(
             f"The folder of the destination {dst} does not exist "
             f"({directory}): create it first.")
+    if os.path.exists(dst) and os.path.exists(src) and os.path.samefile(
+            src, dst):
+        raise InvalidArgumentError(
+            f"The destination {dst} is the source itself: the migration "
+            "would replace the Keras 2 state it reads. Write it elsewhere.")
+    if not overwrite and os.path.lexists(dst):
+        raise InvalidArgumentError(
+            f"The destination {dst} exists: it is replaced only with "
+            "overwrite=True (`keras-ema-opt migrate --overwrite`).")
     say(f"reading {src}")
     migrated, record, mapping, placed = _load(src, custom_objects, safe_mode,
                                               model)
