@@ -102,17 +102,27 @@ class _Progress:
     """Stage messages on stderr, and a tensor counter while verifying
     (redrawn in place on a terminal, one final line otherwise)."""
 
-    def __init__(self, quiet=False, stream=None):
+    def __init__(self, quiet=False, stream=None, stopped=None):
         self.quiet = quiet
         self.stream = stream or sys.stderr
         self.live = self.stream.isatty()
+        # Signals received (`_migrate`): raised again at the next stage or
+        # tensor, where the handler's own exception was swallowed (Python
+        # runs a handler wherever the interpreter is, a gc callback too).
+        self.stopped = stopped if stopped is not None else []
+
+    def _check(self):
+        if self.stopped:
+            raise _Stopped(*self.stopped[0])
 
     def __call__(self, message):
+        self._check()
         if not self.quiet:
             print(f"keras-ema-opt migrate: {message}", file=self.stream,
                   flush=True)
 
     def update(self, done, total):
+        self._check()
         if self.quiet or not (self.live or done == total):
             return
         end = "\n" if done == total else ""
@@ -123,14 +133,18 @@ class _Progress:
 def _migrate(args):
     from keras_ema_opt import savedmodel
 
-    say = _Progress(args.quiet)
+    stopped = []
+    say = _Progress(args.quiet, stopped=stopped)
 
-    def terminate(signum, frame):
-        raise _Stopped("terminated")
+    def stop(signum, frame):
+        stopped.append(("interrupted", 130) if signum == signal.SIGINT
+                       else ("terminated", 143))
+        raise _Stopped(*stopped[0])
 
-    # SIGTERM as an exception: the migration's `finally` removes its
-    # temporary file, as on Ctrl-C.
-    previous = signal.signal(signal.SIGTERM, terminate)
+    # Ctrl-C and SIGTERM as an exception: the migration's `finally`
+    # removes its temporary file.
+    previous = {signum: signal.signal(signum, stop)
+                for signum in (signal.SIGINT, signal.SIGTERM)}
     try:
         model = _load_attr(args.model, "--model") if args.model else None
         model_ = savedmodel.migrate(
@@ -141,13 +155,19 @@ def _migrate(args):
     except Exception as e:  # one line, non-zero exit; typed errors named
         return _report("migrate", e)
     except (KeyboardInterrupt, _Stopped) as e:
-        stopped = "interrupted" if isinstance(e, KeyboardInterrupt) else (
-            "terminated")
-        print(f"keras-ema-opt migrate: {stopped}; {args.dst} not written",
+        what, code = e.args if isinstance(e, _Stopped) else (
+            "interrupted", 130)
+        print(f"keras-ema-opt migrate: {what}; {args.dst} not written",
               file=sys.stderr)
-        return 130 if stopped == "interrupted" else 143
+        return code
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+    if stopped:  # a signal after the last stage: the file is complete
+        what, code = stopped[0]
+        print(f"keras-ema-opt migrate: {what} after writing {args.dst} "
+              "(complete and verified)", file=sys.stderr)
+        return code
     import keras
 
     optimizer = getattr(model_, "optimizer", None)
@@ -163,8 +183,9 @@ def _migrate(args):
 
 
 class _Stopped(BaseException):
-    """SIGTERM during ``migrate`` (a BaseException, as KeyboardInterrupt:
-    no ``except Exception`` on the way swallows it)."""
+    """Ctrl-C or SIGTERM during ``migrate``: ``(what, exit code)`` (a
+    BaseException, as KeyboardInterrupt: no ``except Exception`` on the
+    way catches it)."""
 
 
 def _report(command, error):

@@ -276,8 +276,9 @@ def test_cli_stopped_while_writing_leaves_no_file(tmp_path, capsys,
         return verify(*args, **kwargs)
 
     monkeypatch.setattr(savedmodel, "verify_same", stopped)
-    handler = signal.getsignal(signal.SIGTERM)
+    handlers = [signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)]
     assert main(["migrate", src, str(out / "new.keras"), "--quiet"]) == code
     assert f"{said}; " in capsys.readouterr().err
     assert os.listdir(out) == []  # nor the temporary file
-    assert signal.getsignal(signal.SIGTERM) is handler  # given back
+    assert [signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)
+            ] == handlers  # given back
