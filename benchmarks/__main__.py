@@ -474,7 +474,25 @@ def _fit_traffic_lines(results):
             f"{unfused * 1e3:.2f} | {unfused / base:.2f} | "
             f"{folded * 1e3:.2f} | {folded / base:.2f} | "
             f"{added / unfused:.2f} |")
-    return lines + [""]
+    return lines + [""] + _fit_heap_lines(results)
+
+
+def _fit_heap_lines(results):
+    """How the fit processes' heap ran and the most minor page faults a
+    batch any of their fits had, per backend (records that note them)."""
+    fits = [r for r in results if r["bench"] == "fit" and "heap" in r]
+    if not fits:
+        return []
+    heaps = sorted({r["heap"] for r in fits})
+    worst = {}
+    for r in fits:
+        worst[r["backend"]] = max([worst.get(r["backend"], 0.0)]
+                                  + r["faults"])
+    return [f"Fit processes' heap: {', '.join(heaps)} (`steady`: "
+            "`benchmarks.common.steady_heap`, the memory a step frees kept "
+            "for the next). The most minor page faults a batch in any fit: "
+            + ", ".join(f"{b} {f:.1f}" for b, f in sorted(worst.items()))
+            + ".", ""]
 
 
 def summary(results):

@@ -101,6 +101,44 @@ def current_rss_bytes():
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
+# glibc's mallopt parameters (malloc.h) and the values ``steady_heap`` sets.
+M_TRIM_THRESHOLD, M_TOP_PAD, M_MMAP_THRESHOLD = -1, -2, -3
+STEADY_HEAP = {M_TOP_PAD: 64 << 20, M_TRIM_THRESHOLD: 1 << 30,
+               M_MMAP_THRESHOLD: 32 << 20}
+
+
+def steady_heap():
+    """Keep freed heap memory in this process (glibc): what ``fit()``'s
+    steps free, the next step takes again without faulting it in. Returns
+    how the heap runs: ``"steady"``, or ``"default"`` where that is not
+    asked for (``KEO_BENCH_DEFAULT_HEAP=1``) or this is not glibc.
+
+    XLA's CPU worker threads take a step's temporaries (about 17 MB in
+    the fit benchmark's JAX step: the gradients and activations) from
+    glibc's per-thread arenas. Where an arena's heap has too little room
+    left, glibc maps a new 64 MB heap for them and, once they are freed,
+    unmaps it again (the whole heap: no trim threshold applies), each
+    step: 4,150 page faults a batch and a step 35% slower, for a whole
+    ``fit()``. Which ``fit()`` falls into it depends on where earlier ones
+    left the arenas, not on its optimizer: on this project's 2-core
+    machine, 2 or 3 in 12 of ours without an average and as many with
+    one. A large top pad keeps a heap glibc would unmap, a large trim
+    threshold the free memory at a heap's top, and a fixed mmap threshold
+    keeps glibc from moving it (it moves with the sizes freed)."""
+    import ctypes
+    import ctypes.util
+
+    if os.environ.get("KEO_BENCH_DEFAULT_HEAP") == "1":
+        return "default"
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):  # not glibc (macOS, musl)
+        return "default"
+    ok = [mallopt(param, value) for param, value in STEADY_HEAP.items()]
+    return "steady" if all(ok) else "default"
+
+
 def markdown_table(header, rows):
     """A markdown table of ``header`` (cells) and ``rows`` (lists of
     cells, each turned to text)."""

@@ -13,6 +13,13 @@ model and optimizer (Keras 3.15's ``use_ema=True`` cannot run a second
 so that a slow spell of the machine does not fall on one configuration
 only.
 
+The process keeps the heap memory its steps free (``common.steady_heap``;
+``KEO_BENCH_DEFAULT_HEAP=1`` leaves glibc's defaults): with glibc's
+defaults, XLA's worker threads map and unmap a new heap for each JAX
+step's temporaries in some fits and not in others, whatever their
+optimizer, and those fits run 35% slower. Each record keeps the minor
+page faults a batch of each of its fits.
+
 An averaged configuration runs right beside a run of its baseline (ours
 without an average; Keras without ``use_ema``), the baseline first in
 even rounds and second in odd ones (an even ``ROUNDS`` balances the two
@@ -164,13 +171,17 @@ def _fit_once(name, x, y):
     # eager steps: in fit() the step's own compilation, or the lack of it,
     # applies).
     clock, parameters = fit_with(keras_optimizer(name), x, y)
-    return clock.median_step(), parameters
+    return clock.median_step(), parameters, clock.mean_faults()
 
 
-def run(names=NAMES, rounds=ROUNDS):
+def run(names=NAMES, rounds=ROUNDS, heap="default"):
+    """Each configuration's fits (module docstring); emit a record each.
+    ``heap``: how this process's heap runs (``common.steady_heap``),
+    recorded with the minor page faults of each fit's batches."""
     x, y = data()
     names = list(dict.fromkeys(names))  # each configuration once
     times = {name: [] for name in names}  # per round, one run or several
+    faults = {name: [] for name in names}
     beside = {name: [] for name in names}  # the adjacent baseline's run
     parameters = {}
     for r in range(rounds):
@@ -178,8 +189,10 @@ def run(names=NAMES, rounds=ROUNDS):
             times[name].append([])
         for name, base, runs in _turns(names, r):
             for run_name in runs:
-                seconds, parameters[run_name] = _fit_once(run_name, x, y)
+                seconds, parameters[run_name], batch_faults = _fit_once(
+                    run_name, x, y)
                 times[run_name][-1].append(seconds)
+                faults[run_name].append(batch_faults)
             if base is not None:  # the baseline's run of this turn
                 beside[name].append(times[base][-1][-1])
     configs = configurations()
@@ -189,7 +202,9 @@ def run(names=NAMES, rounds=ROUNDS):
                   "averages": configs[name][2],
                   "seconds": statistics.median(runs),
                   "rounds": [statistics.median(t) for t in times[name]],
-                  "parameters": parameters[name]}
+                  "parameters": parameters[name], "heap": heap,
+                  # each fit's minor page faults a batch, in run order
+                  "faults": faults[name]}
         if beside[name]:
             record["paired_with"] = BASELINES[name]
             record["paired_rounds"] = beside[name]
@@ -227,7 +242,7 @@ def _stepper(name, x, y):
     return step
 
 
-def run_interleaved(names, steps=INTERLEAVED_STEPS):
+def run_interleaved(names, steps=INTERLEAVED_STEPS, heap="default"):
     """The configurations' steps in turn (module docstring); emit a record
     each; the first of ``names`` is the baseline."""
     if BACKEND not in ("jax", "tensorflow"):
@@ -259,7 +274,7 @@ def run_interleaved(names, steps=INTERLEAVED_STEPS):
             "bench": "fit_interleaved", "backend": BACKEND, "name": name,
             "averages": configs[name][2], "steps": steps,
             "seconds": statistics.median(times[name]),
-            "paired_with": names[0],
+            "paired_with": names[0], "heap": heap,
             "added": statistics.median(
                 t / b for t, b in zip(times[name], base)) - 1})
 
@@ -272,15 +287,16 @@ def main(argv=None):
                         "process (JAX, TensorFlow); the first of --names is "
                         "the baseline")
     args = parser.parse_args(argv)
+    heap = common.steady_heap()
     if args.interleave:
         names = (args.names.split(",") if args.names else
                  INTERLEAVED_NAMES)
         try:
-            run_interleaved(names)
+            run_interleaved(names, heap=heap)
         except ValueError as error:
             parser.error(str(error))
         return 0
-    run(args.names.split(",") if args.names else NAMES)
+    run(args.names.split(",") if args.names else NAMES, heap=heap)
     return 0
 
 

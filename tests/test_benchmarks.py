@@ -61,6 +61,11 @@ def test_step_and_fit_benchmarks_run_on_this_backend():
     assert [r["averages"] for r in fit] == [0, 1]
     assert "paired_with" not in fit[0]
     assert fit[1]["paired_with"] == "ours"
+    glibc = bool(os.confstr("CS_GNU_LIBC_VERSION")) if hasattr(
+        os, "confstr") else False
+    assert {r["heap"] for r in fit} == {"steady" if glibc else "default"}
+    assert [len(r["faults"]) for r in fit] == [2, 2]
+    assert all(f >= 0 for r in fit for f in r["faults"])
     assert len(fit[1]["paired_rounds"]) == 2
     memory = _bench_lines(run_python("-m", "benchmarks.step", "--memory",
                                      "ours:ema", backend=BACKEND,
@@ -68,6 +73,66 @@ def test_step_and_fit_benchmarks_run_on_this_backend():
     assert memory[0]["needed_bytes"] == 3 * 64 * 4 * 5
     # What the runtime's start adds is part of the growth, never more.
     assert 0 <= memory[0]["runtime_bytes"] <= memory[0]["growth_bytes"]
+
+
+_HEAP_CHURN = """
+import ctypes, json, resource, sys, threading
+from benchmarks import common
+heap = common.steady_heap() if sys.argv[1] == "steady" else "default"
+libc = ctypes.CDLL("libc.so.6")
+libc.malloc.restype = ctypes.c_void_p
+libc.malloc.argtypes = [ctypes.c_size_t]
+libc.free.argtypes = [ctypes.c_void_p]
+libc.memset.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t]
+MB = 1 << 20
+
+def step_like_xla(out):
+    # A worker thread (its own arena), as XLA's: a block freed moves
+    # glibc's mmap threshold past a step's temporaries, held blocks leave
+    # the arena's heap too little room for them.
+    libc.free(libc.malloc(20 * MB))
+    held = [libc.malloc(100_000) for _ in range(600)]
+    for p in held:
+        libc.memset(p, 1, 100_000)
+    for _ in range(8):
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        p = libc.malloc(17 * MB)
+        libc.memset(p, 1, 17 * MB)
+        libc.free(p)
+        out.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+                   - before)
+
+faults = []
+worker = threading.Thread(target=step_like_xla, args=(faults,))
+worker.start()
+worker.join()
+print(json.dumps([heap, faults]))
+"""
+
+
+@pytest.mark.skipif(BACKEND != "jax" or not sys.platform.startswith("linux")
+                    or not os.confstr("CS_GNU_LIBC_VERSION"),
+                    reason="glibc's heap, once (the JAX lane: XLA's threads)")
+def test_steady_heap_keeps_a_step_from_faulting_its_temporaries_in():
+    """With glibc's defaults, a thread that frees a step's 17 MB of
+    temporaries unmaps the heap that held them and faults them in again
+    at the next step (as XLA's threads did in some of the JAX fits);
+    ``common.steady_heap`` keeps the heap and the step faults nothing
+    after the first."""
+    runs = {}
+    for mode in ("default", "steady"):
+        proc = run_python("-c", _HEAP_CHURN, mode)
+        runs[mode] = json.loads(proc.stdout.strip().splitlines()[-1])
+    heap, faults = runs["default"]
+    assert heap == "default"
+    assert min(faults) > 3000, faults  # 17 MB in 4 kB pages, each step
+    heap, faults = runs["steady"]
+    assert heap == "steady"
+    assert max(faults[1:]) < 50, faults
+    # Asked not to, it leaves glibc's defaults.
+    proc = run_python("-c", _HEAP_CHURN, "steady", KEO_BENCH_DEFAULT_HEAP="1")
+    heap, faults = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert heap == "default" and min(faults) > 3000, faults
 
 
 def _result(bench, name, seconds, averages=1, backend="torch", **extra):
@@ -369,7 +434,7 @@ def test_fit_records_pair_each_run_with_the_baseline_run_beside_it(
 
     def fit_once(name, x, y):
         order.append(name)
-        return float(next(clock)), 7
+        return float(next(clock)), 7, 0.5
 
     monkeypatch.setattr(fit, "_fit_once", fit_once)
     monkeypatch.setattr(fit, "STEPS", 2)
@@ -385,6 +450,9 @@ def test_fit_records_pair_each_run_with_the_baseline_run_beside_it(
     assert (ema["rounds"], ema["paired_rounds"]) == ([2.0, 5.0], [1.0, 6.0])
     assert (swa["rounds"], swa["paired_rounds"]) == ([4.0, 7.0], [3.0, 8.0])
     assert swa["paired_with"] == "ours" and swa["parameters"] == 7
+    # each fit's faults a batch, in run order; the heap as told
+    assert ours["faults"] == [0.5] * 4 and ema["faults"] == [0.5] * 2
+    assert {r["heap"] for r in records} == {"default"}
 
 
 def test_fit_overhead_takes_the_adjacent_baseline_run():
@@ -497,6 +565,28 @@ def test_fit_traffic_of_a_merged_fit_run_takes_the_step_runs_roofline(
     assert round(added, 6) == 0.002 and base == 0.010
     # One average of 1000 floats: 8 kB folded at the step run's 1 MB/s.
     assert round(folded, 6) == 0.008 and round(unfused, 6) == 0.012
+
+
+def test_fit_section_names_its_heap_and_worst_faults():
+    """The fit section says how the fit processes' heap ran and the most
+    faults a batch of any fit, per backend; records from before fits noted
+    them add nothing."""
+    results = [
+        _result("fit", "ours", 0.010, parameters=1000, heap="steady",
+                faults=[0.0, 2.5]),
+        _result("fit", "ours:ema", 0.011, parameters=1000, heap="steady",
+                faults=[4150.2, 0.0], paired_with="ours",
+                paired_rounds=[0.010, 0.010]),
+        _result("fit", "ours", 0.010, backend="jax", parameters=1000,
+                heap="steady", faults=[1.0]),
+        _result("step", "ours:ema", 1.0, bytes=9000)]
+    [line, blank] = driver._fit_heap_lines(results)
+    assert line.startswith("Fit processes' heap: steady (")
+    assert line.endswith("any fit: jax 1.0, torch 4150.2.") and blank == ""
+    for r in results:
+        r.pop("heap", None)
+        r.pop("faults", None)
+    assert driver._fit_heap_lines(results) == []
 
 
 @pytest.mark.skipif(BACKEND != "torch", reason="the clipping fast path is "
