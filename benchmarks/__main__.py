@@ -408,6 +408,7 @@ def table(results, device, meta=None):
             lines[-1] += (f" {m['ratio']:.2f} |" if m else " |")
         lines.append("")
     lines += _fit_traffic_lines(results)
+    lines += _fit_heap_lines(results)
     lines += ["### Bounds", "", "| check | measured | bound | |",
               "|---|---|---|---|"]
     for what, value, bound, ok in checks(results):
@@ -474,20 +475,24 @@ def _fit_traffic_lines(results):
             f"{unfused * 1e3:.2f} | {unfused / base:.2f} | "
             f"{folded * 1e3:.2f} | {folded / base:.2f} | "
             f"{added / unfused:.2f} |")
-    return lines + [""] + _fit_heap_lines(results)
+    return lines + [""]
 
 
 def _fit_heap_lines(results):
-    """How the fit processes' heap ran and the most minor page faults a
-    batch any of their fits had, per backend (records that note them)."""
-    fits = [r for r in results if r["bench"] == "fit" and "heap" in r]
-    if not fits:
+    """How the fit processes' heap ran (``benchmarks.common.steady_heap``)
+    and the most minor page faults a batch of any of their fits, per
+    backend; nothing where no fit record notes its heap (runs before fit
+    records did), and ``default (not recorded)`` for such records merged
+    beside ones that do."""
+    fits = [r for r in results if r["bench"] == "fit"]
+    if not any("heap" in r for r in fits):
         return []
-    heaps = sorted({r["heap"] for r in fits})
+    heaps = sorted({r.get("heap", "default (not recorded)") for r in fits})
     worst = {}
     for r in fits:
-        worst[r["backend"]] = max([worst.get(r["backend"], 0.0)]
-                                  + r["faults"])
+        if r.get("faults"):
+            worst[r["backend"]] = max([worst.get(r["backend"], 0.0)]
+                                      + r["faults"])
     return [f"Fit processes' heap: {', '.join(heaps)} (`steady`: "
             "`benchmarks.common.steady_heap`, the memory a step frees kept "
             "for the next). The most minor page faults a batch in any fit: "

@@ -101,42 +101,58 @@ def current_rss_bytes():
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
-# glibc's mallopt parameters (malloc.h) and the values ``steady_heap`` sets.
+# glibc's mallopt parameters (malloc.h) and the values ``steady_heap`` sets,
+# the mmap threshold first: setting any of them freezes it (at 128 kB, where
+# not set), and 32 MiB, the most glibc takes (half a heap), keeps a step's
+# temporaries in the arenas. A top pad of a whole heap (64 MiB) keeps glibc
+# from unmapping any heap; the trim threshold keeps the main arena's top.
 M_TRIM_THRESHOLD, M_TOP_PAD, M_MMAP_THRESHOLD = -1, -2, -3
-STEADY_HEAP = {M_TOP_PAD: 64 << 20, M_TRIM_THRESHOLD: 1 << 30,
-               M_MMAP_THRESHOLD: 32 << 20}
+STEADY_HEAP = {M_MMAP_THRESHOLD: 32 << 20, M_TOP_PAD: 64 << 20,
+               M_TRIM_THRESHOLD: 1 << 30}
+
+
+def glibc():
+    """Whether this process runs on glibc."""
+    import platform
+
+    try:
+        return platform.libc_ver()[0] == "glibc"
+    except (OSError, ValueError):
+        return False
 
 
 def steady_heap():
-    """Keep freed heap memory in this process (glibc): what ``fit()``'s
-    steps free, the next step takes again without faulting it in. Returns
-    how the heap runs: ``"steady"``, or ``"default"`` where that is not
-    asked for (``KEO_BENCH_DEFAULT_HEAP=1``) or this is not glibc.
+    """Keep the heap memory a step frees for the next step (glibc), instead
+    of returning it to the system. Returns how the heap runs: ``"steady"``;
+    ``"default"`` where that is not asked for (``KEO_BENCH_DEFAULT_HEAP=1``),
+    this is not glibc, or glibc refuses the mmap threshold (nothing else is
+    set then); ``"partial"`` where it took the threshold and refused the
+    rest.
 
-    XLA's CPU worker threads take a step's temporaries (about 17 MB in
-    the fit benchmark's JAX step: the gradients and activations) from
-    glibc's per-thread arenas. Where an arena's heap has too little room
-    left, glibc maps a new 64 MB heap for them and, once they are freed,
-    unmaps it again (the whole heap: no trim threshold applies), each
-    step: 4,150 page faults a batch and a step 35% slower, for a whole
-    ``fit()``. Which ``fit()`` falls into it depends on where earlier ones
-    left the arenas, not on its optimizer: on this project's 2-core
-    machine, 2 or 3 in 12 of ours without an average and as many with
-    one. A large top pad keeps a heap glibc would unmap, a large trim
-    threshold the free memory at a heap's top, and a fixed mmap threshold
-    keeps glibc from moving it (it moves with the sizes freed)."""
+    XLA's CPU worker threads take a step's temporaries (about 17 MB in the
+    fit benchmark's JAX step: the gradients and activations) from glibc's
+    per-thread arenas. Where an arena's heap has too little room left for
+    them, glibc maps a new 64 MB heap and, once they are freed, unmaps it
+    again (the whole heap: only the top pad keeps it), each step: about
+    4,150 page faults a batch and a step 35% slower, for a whole ``fit()``.
+    Which ``fit()`` falls into it depends on where earlier ones left the
+    arenas, not on its optimizer: on this project's 2-core machine, 3 of
+    20 fits of ours without an average and with the power warm-up, in turn
+    in one process, and none of 24 with this (docs/performance.md, "Fits
+    that fault their step's temporaries in")."""
     import ctypes
-    import ctypes.util
 
-    if os.environ.get("KEO_BENCH_DEFAULT_HEAP") == "1":
+    if os.environ.get("KEO_BENCH_DEFAULT_HEAP") == "1" or not glibc():
         return "default"
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        mallopt = libc.mallopt
-    except (OSError, AttributeError):  # not glibc (macOS, musl)
+        mallopt = ctypes.CDLL(None).mallopt
+    except (OSError, AttributeError):
         return "default"
-    ok = [mallopt(param, value) for param, value in STEADY_HEAP.items()]
-    return "steady" if all(ok) else "default"
+    if not mallopt(M_MMAP_THRESHOLD, STEADY_HEAP[M_MMAP_THRESHOLD]):
+        return "default"
+    ok = [mallopt(param, value) for param, value in STEADY_HEAP.items()
+          if param != M_MMAP_THRESHOLD]
+    return "steady" if all(ok) else "partial"
 
 
 def markdown_table(header, rows):
