@@ -18,9 +18,14 @@ def new_file_mode():
 @contextlib.contextmanager
 def temporary_beside(path, suffix, prefix="tmp"):
     """The path of a new empty temporary file in ``path``'s folder (so that
-    the rename is atomic), removed on the way out if it is still there."""
+    the rename is atomic), removed on the way out if it is still there.
+    Where none can be made there, the ``OSError`` names ``path``."""
     folder = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(suffix=suffix, dir=folder, prefix=prefix)
+    try:
+        fd, tmp = tempfile.mkstemp(suffix=suffix, dir=folder, prefix=prefix)
+    except OSError as e:  # named by the file asked for, not the temporary
+        raise type(e)(e.errno, f"{e.strerror}: cannot write {path} (no "
+                      f"new file can be made in its folder {folder})") from e
     os.close(fd)
     try:
         yield tmp

@@ -251,6 +251,23 @@ def test_cli_replaces_an_existing_file_only_when_told_never_its_source(
     assert os.path.islink(link) and open(src, "rb").read() == source
 
 
+@pytest.mark.skipif(not os.path.isdir("/sys"),
+                    reason="a folder no process may write (Linux's /sys)")
+def test_cli_to_a_folder_it_cannot_write_fails_first_naming_the_file(
+        tmp_path, capsys):
+    """An unwritable destination folder fails before the source is read,
+    and the error names the destination asked for, not a temporary file
+    (/sys: no new file, even for root)."""
+    src = _saved_h5(tmp_path)
+    assert main(["migrate", src, "/sys/new.keras"]) == 1
+    captured = capsys.readouterr()
+    err = captured.err
+    assert "error: PermissionError: " in err
+    assert "cannot write /sys/new.keras" in err and ".migrate-" not in err
+    assert "reading" not in captured.out + err  # before the conversion
+    assert not os.path.exists("/sys/new.keras")
+
+
 def test_cli_migrates_a_model_without_an_optimizer(tmp_path, capsys):
     src = _saved_h5(tmp_path, compiled=False)
     dst = tmp_path / "new.keras"

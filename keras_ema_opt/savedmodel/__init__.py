@@ -32,7 +32,6 @@ model.train_on_batch(np.ones((4, 3)), np.ones((4, 2)))  # resumes
 """
 
 import os
-import tempfile
 import warnings
 
 import numpy as np
@@ -404,13 +403,12 @@ def migrate(src, dst, custom_objects=None, safe_mode=True, model=None,
         raise InvalidArgumentError(
             f"The destination {dst} exists: it is replaced only with "
             "overwrite=True (`keras-ema-opt migrate --overwrite`).")
-    say(f"reading {src}")
-    migrated, record, mapping, placed = _load(src, custom_objects, safe_mode,
-                                              model)
-    fd, tmp = tempfile.mkstemp(suffix=".keras", dir=directory,
-                               prefix=".migrate-")
-    os.close(fd)
-    try:
+    # The temporary file first: an unwritable folder fails before the
+    # conversion, named by the destination.
+    with _io.temporary_beside(dst, ".keras", ".migrate-") as tmp:
+        say(f"reading {src}")
+        migrated, record, mapping, placed = _load(src, custom_objects,
+                                                  safe_mode, model)
         say(f"writing {dst}")
         migrated.save(tmp)
         if verify:
@@ -425,9 +423,6 @@ def migrate(src, dst, custom_objects=None, safe_mode=True, model=None,
                     f"{src} -> {dst}: {e} No file was written.") from e
             _verify_source(record, mapping, placed, migrated, reloaded)
         _io.publish(tmp, dst)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
     say("done")
     return migrated
 
