@@ -12,10 +12,12 @@ code from ``main(argv)``.
 """
 
 import argparse
+import contextlib
 import importlib.metadata
 import json
 import signal
 import sys
+import warnings
 
 from keras_ema_opt.errors import InvalidArgumentError
 
@@ -182,6 +184,25 @@ def _migrate(args):
     return 0
 
 
+@contextlib.contextmanager
+def _one_line_warnings(command):
+    """Warnings shown as one line each, named by the command (not with
+    the source line of the library that raised them), as its other
+    messages are; the previous way is restored after."""
+    previous = warnings.showwarning
+
+    def show(message, category, filename, lineno, file=None, line=None):
+        text = str(message).strip().splitlines()
+        print(f"keras-ema-opt {command}: warning: {category.__name__}: "
+              f"{text[0] if text else ''}", file=file or sys.stderr)
+
+    warnings.showwarning = show
+    try:
+        yield
+    finally:
+        warnings.showwarning = previous
+
+
 class _Stopped(BaseException):
     """Ctrl-C or SIGTERM during ``migrate``: ``(what, exit code)`` (a
     BaseException, as KeyboardInterrupt: no ``except Exception`` on the
@@ -305,9 +326,11 @@ def main(argv=None):
     if args.command == "demo":
         return _demo(args)
     if args.command == "migrate":
-        return _migrate(args)
+        with _one_line_warnings("migrate"):
+            return _migrate(args)
     if args.command == "inspect":
-        return _inspect(args)
+        with _one_line_warnings("inspect"):
+            return _inspect(args)
     if args.command == "info":
         info = environment_info()
         if args.json:

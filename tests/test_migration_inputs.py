@@ -268,6 +268,43 @@ def test_cli_to_a_folder_it_cannot_write_fails_first_naming_the_file(
     assert not os.path.exists("/sys/new.keras")
 
 
+def test_a_stored_input_shape_is_migrated_without_keras_advice(tmp_path):
+    """A Keras 2 config keeps its first layer's `input_shape`; rebuilding
+    it is no reason for Keras 3's warning against passing one."""
+    net = k2.Sequential([k2.layers.Dense(3, input_shape=(4,), name="d1")])
+    net.compile(optimizer="adam", loss="mse")
+    net.train_on_batch(np.ones((2, 4)), np.ones((2, 3)))
+    net.save(tmp_path / "m.h5")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model = savedmodel.migrate(str(tmp_path / "m.h5"),
+                                   str(tmp_path / "new.keras"))
+    assert model.layers[0].name == "d1"
+    assert not [w for w in caught if "input_shape" in str(w.message)], [
+        str(w.message) for w in caught]
+
+
+def test_cli_shows_a_warning_on_one_line_of_its_own(tmp_path, capsys):
+    """The command's warnings read as its other messages: one line, named
+    by the command, without the library's source line; the way warnings
+    are shown is given back after."""
+    src = _saved_h5(tmp_path, compiled=False)
+    shown = warnings.showwarning
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        assert main(["migrate", src, str(tmp_path / "new.keras")]) == 0
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if "Warning: " in line]
+    assert lines and all(line.startswith("keras-ema-opt migrate: warning: ")
+                         for line in lines), lines
+    assert [line for line in lines if line.startswith(
+        "keras-ema-opt migrate: warning: UserWarning: ")
+        and "holds no optimizer" in line]
+    assert not [line for line in err.splitlines()
+                if line.startswith(" ")], err  # no source line
+    assert warnings.showwarning is shown
+
+
 def test_cli_migrates_a_model_without_an_optimizer(tmp_path, capsys):
     src = _saved_h5(tmp_path, compiled=False)
     dst = tmp_path / "new.keras"

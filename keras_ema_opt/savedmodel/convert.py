@@ -56,7 +56,12 @@ def build_model(record, custom_objects=None, safe_mode=True):
                       **(custom_objects or {})}
     try:
         with keras.saving.custom_object_scope(custom_objects), \
-                SafeModeScope(safe_mode):
+                SafeModeScope(safe_mode), warnings.catch_warnings():
+            # A Keras 2 config keeps its first layer's `input_shape`: Keras
+            # 3's advice not to pass one is for code, not a stored config.
+            warnings.filterwarnings(
+                "ignore", message="Do not pass an `input_shape`",
+                category=UserWarning)
             return saving_utils.model_from_config(
                 config, custom_objects=custom_objects)
     except (TypeError, ValueError, KeyError, AttributeError) as e:
