@@ -24,6 +24,8 @@ def temporary_beside(path, suffix, prefix="tmp"):
     try:
         fd, tmp = tempfile.mkstemp(suffix=suffix, dir=folder, prefix=prefix)
     except OSError as e:  # named by the file asked for, not the temporary
+        if e.errno is None:
+            raise
         raise type(e)(e.errno, f"{e.strerror}: cannot write {path} (no "
                       f"new file can be made in its folder {folder})") from e
     os.close(fd)

@@ -186,21 +186,23 @@ def _migrate(args):
 
 @contextlib.contextmanager
 def _one_line_warnings(command):
-    """Warnings shown as one line each, named by the command (not with
+    """Warnings formatted as one line each, named by the command (not with
     the source line of the library that raised them), as its other
-    messages are; the previous way is restored after."""
-    previous = warnings.showwarning
+    messages are; the previous format is restored after. Only the format:
+    where and whether a warning is shown (or recorded, by
+    ``warnings.catch_warnings(record=True)``) stays Python's."""
+    previous = warnings.formatwarning
 
-    def show(message, category, filename, lineno, file=None, line=None):
+    def format_warning(message, category, filename, lineno, line=None):
         text = str(message).strip().splitlines()
-        print(f"keras-ema-opt {command}: warning: {category.__name__}: "
-              f"{text[0] if text else ''}", file=file or sys.stderr)
+        return (f"keras-ema-opt {command}: warning: {category.__name__}: "
+                f"{text[0] if text else ''}\n")
 
-    warnings.showwarning = show
+    warnings.formatwarning = format_warning
     try:
         yield
     finally:
-        warnings.showwarning = previous
+        warnings.formatwarning = previous
 
 
 class _Stopped(BaseException):
