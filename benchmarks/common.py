@@ -107,8 +107,8 @@ def current_rss_bytes():
 # temporaries in the arenas. A top pad of a whole heap (64 MiB) keeps glibc
 # from unmapping any heap; the trim threshold keeps the main arena's top.
 M_TRIM_THRESHOLD, M_TOP_PAD, M_MMAP_THRESHOLD = -1, -2, -3
-STEADY_HEAP = {M_MMAP_THRESHOLD: 32 << 20, M_TOP_PAD: 64 << 20,
-               M_TRIM_THRESHOLD: 1 << 30}
+STEADY_HEAP = ((M_MMAP_THRESHOLD, 32 << 20), (M_TOP_PAD, 64 << 20),
+               (M_TRIM_THRESHOLD, 1 << 30))
 
 
 def glibc():
@@ -148,11 +148,10 @@ def steady_heap():
         mallopt = ctypes.CDLL(None).mallopt
     except (OSError, AttributeError):
         return "default"
-    if not mallopt(M_MMAP_THRESHOLD, STEADY_HEAP[M_MMAP_THRESHOLD]):
+    first, *rest = STEADY_HEAP
+    if not mallopt(*first):
         return "default"
-    ok = [mallopt(param, value) for param, value in STEADY_HEAP.items()
-          if param != M_MMAP_THRESHOLD]
-    return "steady" if all(ok) else "partial"
+    return "steady" if all([mallopt(*pair) for pair in rest]) else "partial"
 
 
 def markdown_table(header, rows):

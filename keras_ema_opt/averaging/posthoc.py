@@ -216,7 +216,7 @@ def align_paths(keys, targets, model_name=None):
         return {key: key for key in keys}
     whole = model_name is None  # each snapshot holds the same variables
     under_keys = _under_one(keys)
-    if model_name is None:
+    if whole:
         under_targets = _under_one(targets)
     else:
         # The model's own variables; others (a seed generator's) aside.
@@ -225,8 +225,7 @@ def align_paths(keys, targets, model_name=None):
             [t for t in targets if t.startswith(prefix)], model_name)
     found = []
     if under_keys is not None and (
-            model_name is None or _family(under_keys[0]) == _family(
-                model_name)):
+            whole or _family(under_keys[0]) == _family(model_name)):
         head, rests = under_keys
         rest_of = {path: rest for rest, path in rests.items()}
         if all(rest_of[key] in known for key in keys):
@@ -295,16 +294,16 @@ def synthesize(directory, gamma, step=None):
     if step is None:
         step = steps[-1]
     shown = steps if len(steps) <= 8 else steps[:4] + ["..."] + steps[-3:]
-    if not isinstance(step, (bool, np.bool_)) and isinstance(
-            step, (int, np.integer)) and int(step) in early:
+    is_step = not isinstance(step, (bool, np.bool_)) and isinstance(
+        step, (int, np.integer))
+    if is_step and int(step) in early:
         raise InvalidArgumentError(
             f"The snapshot of step {int(step)} in {directory!r} holds no "
             "update yet (PowerEMA updates its averages every "
             f"{early[int(step)].get('every', 1)} steps): it has no profile "
             f"to fit. `step` must be one of {shown}. Received: "
             f"step={step!r}")
-    if isinstance(step, (bool, np.bool_)) or not isinstance(
-            step, (int, np.integer)) or int(step) not in steps:
+    if not is_step or int(step) not in steps:
         raise InvalidArgumentError(
             "`step` must be the step of one of the snapshots in "
             f"{directory!r} ({shown}): the snapshots fit the profile of a "
