@@ -521,3 +521,124 @@ def test_snapshots_and_assign_by_path_across_a_save_and_load(tmp_path):
             assert v.path.startswith(head)
             np.testing.assert_array_equal(
                 to_numpy(v), early[name + "/" + v.path[len(head):]])
+
+
+def test_align_paths_without_the_names_of_nested_containers():
+    from keras_ema_opt.averaging.posthoc import align_paths
+
+    # Keras 3.15's paths of a Sequential `outer` nesting a Sequential
+    # `mid` that nests `inner`, as built and as loaded from a .keras file.
+    built = ["outer/mid/d/kernel", "outer/mid/d/bias",
+             "outer/mid/inner/e/kernel", "outer/out/kernel"]
+    loaded = ["d/kernel", "d/bias", "e/kernel", "out/kernel"]
+    for keys, targets in ((built, loaded), (loaded, built)):
+        assert align_paths(keys, targets) == dict(zip(keys, targets))
+        assert align_paths(keys, targets, model_name="outer") == dict(
+            zip(keys, targets))
+    # A functional model with a Bidirectional and a nested Sequential.
+    functional = ["bi/forward_g/gru_cell/kernel",
+                  "bi/backward_g/gru_cell/kernel", "blk/d/kernel",
+                  "o/kernel"]
+    reloaded = ["forward_g/gru_cell/kernel", "backward_g/gru_cell/kernel",
+                "d/kernel", "o/kernel"]
+    assert align_paths(functional, reloaded) == dict(zip(functional,
+                                                         reloaded))
+    # Into a built model, its variables that were not averaged aside.
+    assert align_paths(["d/kernel"], ["blk/d/kernel", "blk/bn/moving_mean"],
+                       model_name="functional") == {
+        "d/kernel": "blk/d/kernel"}
+    # A subclassed layer keeps its name (`x/a/d/kernel` loads as
+    # `a/d/kernel`) beside a Sequential that does not: the longest end.
+    assert align_paths(["x/a/d/kernel", "x/b/d/kernel"],
+                       ["a/d/kernel", "d/kernel"]) == {
+        "x/a/d/kernel": "a/d/kernel", "x/b/d/kernel": "d/kernel"}
+    # A container's name goes from all the paths under it or from none.
+    assert align_paths(["encoder/dense/kernel", "encoder/dense_1/kernel"],
+                       ["dense/kernel", "encoder/dense_1/kernel"]) is None
+    assert align_paths(["dense/kernel", "encoder/dense_1/kernel"],
+                       ["encoder/dense/kernel",
+                        "encoder/dense_1/kernel"]) is None
+    # Two containers' layers of one name: in doubt, no map.
+    assert align_paths(["enc/d/kernel", "dec/d/kernel"], ["d/kernel"]) is None
+    assert align_paths(["d/kernel"], ["enc/d/kernel", "dec/d/kernel"],
+                       model_name="m") is None
+    # One side longer for some pairs and shorter for others: no map.
+    assert align_paths(["a/d/kernel", "e/kernel"],
+                       ["d/kernel", "b/e/kernel"]) is None
+    # A variable's name alone is no end to match.
+    assert align_paths(["blk/kernel"], ["kernel"]) is None
+
+
+def test_snapshots_of_a_nested_model_across_a_save_and_load(tmp_path):
+    # A loaded functional model names the variables of its Bidirectional
+    # and of a Sequential it nests without their names
+    # (`bi/forward_g/gru_cell/kernel` loads as `forward_g/gru_cell/kernel`,
+    # `blk/d/kernel` as `d/kernel`): the snapshots before and after the
+    # resume still make one solve, and assign into either model.
+    rng = np.random.default_rng(1)
+    x = rng.normal(size=(8, 4, 2)).astype("float32")
+    y = x.sum(axis=(1, 2))[:, None]
+    folder = tmp_path / "snapshots"
+
+    def build():
+        inputs = keras.Input((4, 2))
+        h = keras.layers.Bidirectional(keras.layers.GRU(3, name="g"),
+                                       name="bi")(inputs)
+        h = keras.Sequential([keras.layers.Dense(4, name="d")],
+                             name="blk")(h)
+        return keras.Model(inputs, keras.layers.Dense(1, name="o")(h))
+
+    model = build()
+    averaging = keras_ema_opt.PowerEMA(sigma_rels=(0.05, 0.10),
+                                       snapshot_every=2,
+                                       snapshot_dir=str(folder),
+                                       finalize=False)
+    model.compile(optimizer=keras_ema_opt.Adam(0.01, averaging=averaging),
+                  loss="mse")
+    model.fit(x, y, batch_size=2, verbose=0,
+              callbacks=[PowerEMASnapshots()])
+    before = [v.path for v in model.trainable_variables]
+    model.save(tmp_path / "mid.keras")
+    loaded = keras.saving.load_model(tmp_path / "mid.keras")
+    after = [v.path for v in loaded.trainable_variables]
+    # The case this test is for (it fails, not passes, where a Keras keeps
+    # the containers' names on loading).
+    assert "blk/d/kernel" in before and "d/kernel" in after
+    assert "bi/forward_g/gru_cell/kernel" in before
+    assert "forward_g/gru_cell/kernel" in after
+    loaded.fit(x, y, batch_size=2, verbose=0,
+               callbacks=[PowerEMASnapshots()])
+    assert len(list(folder.iterdir())) == 4
+
+    opt = loaded.optimizer
+    stored = averaging.synthesize(0.10)
+    assert set(stored) == set(after)
+    for v in loaded.trainable_variables:
+        np.testing.assert_allclose(stored[v.path],
+                                   to_numpy(opt.average_of(v, 1)),
+                                   rtol=1e-3, atol=1e-3)
+    # The same solve over copies of the snapshots renamed as the loaded
+    # model's, nothing else changed.
+    from keras_ema_opt.averaging import posthoc
+
+    renamed = tmp_path / "renamed"
+    as_loaded = dict(zip(before, after))
+    for meta, arrays in posthoc.read_snapshots(str(folder)):
+        posthoc.write_snapshot(
+            str(renamed), meta["step"], meta["gammas"], meta["every"],
+            {f"{k.split('/', 1)[0]}/"
+             f"{as_loaded.get(k.split('/', 1)[1], k.split('/', 1)[1])}": a
+             for k, a in arrays.items()})
+    expected = posthoc.synthesize(str(renamed), std_to_exp(0.08))
+    got = averaging.synthesize(0.08)
+    for path in after:
+        np.testing.assert_array_equal(got[path], expected[path])
+    # The reconstruction at step 4 (named as the built model) goes into the
+    # loaded model and into a model built again.
+    early = averaging.synthesize(0.08, step=4)
+    assert set(early) == set(before)
+    again = build()
+    for target in (loaded, again):
+        keras_ema_opt.averaging.assign_by_path(target, early)
+        for v, path in zip(target.trainable_variables, before):
+            np.testing.assert_array_equal(to_numpy(v), early[path])

@@ -568,7 +568,9 @@ def assign_by_path(model, weights):
     ``sequential_1/d1/kernel`` and ``d1/kernel``: Keras 3 puts a
     ``Sequential`` or subclassed model's name at the head of its
     variables' paths when it builds them, not when it loads them from a
-    ``.keras`` file; ``posthoc.align_paths``).
+    ``.keras`` file; ``posthoc.align_paths``), or without the names of the
+    models and wrappers nesting its layer, which a loaded model's paths
+    lack too (``outer/block/d/kernel`` and ``d/kernel``).
     """
     from keras_ema_opt.averaging import posthoc
 

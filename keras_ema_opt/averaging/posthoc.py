@@ -202,7 +202,10 @@ def align_paths(keys, targets, model_name=None):
     the targets all lie under it and the map then names every target. So
     ``d1/kernel`` never matches ``d2/kernel``, nor ``encoder/dense/kernel``
     a ``dense/kernel`` beside an ``encoder/dense_1/kernel``, nor, into a
-    model, ``block_1/...`` its ``block_2/...``. Callers check the shapes.
+    model, ``block_1/...`` its ``block_2/...``. Where no model's name
+    accounts for the paths, the names of nested models and wrappers, which
+    a loaded model's paths lack too (``outer/block/d/kernel`` loads as
+    ``d/kernel``): ``_without_containers``. Callers check the shapes.
 
     Returns:
         A dict ``key -> target``, or None where no map, or more than one,
@@ -241,7 +244,64 @@ def align_paths(keys, targets, model_name=None):
             found.append({key: paths[key] for key in keys})
     if whole:
         found = [m for m in found if set(m.values()) == known]
+    if not found:
+        found = [_without_containers(keys, targets, whole)]
     return found[0] if len(found) == 1 else None
+
+
+def _without_containers(keys, targets, whole):
+    """The map where one side's paths are the other's without the names of
+    layers that hold layers, or None.
+
+    Keras 3 builds a loaded ``Sequential`` or functional model's layers
+    outside the name scopes of the models and wrappers that hold them:
+    ``outer/block/d/kernel`` (a ``Sequential`` nesting a ``Sequential``)
+    loads as ``d/kernel``, ``bi/forward_g/gru_cell/kernel`` (a
+    ``Bidirectional``) as ``forward_g/gru_cell/kernel``. Each key maps to
+    the target that ends with it or that it ends with (a layer and a
+    variable at least), the longest where several do, one to one, the
+    keys all the longer side or all the shorter one. A container's name is
+    dropped from all the paths under it or from none: where a pair drops
+    ``encoder``, every path of the longer side under ``encoder/`` drops at
+    least that, so ``encoder/dense/kernel`` never takes ``dense/kernel``
+    beside an ``encoder/dense_1/kernel``.
+    """
+    split = {path: tuple(path.split("/")) for path in list(keys) + list(
+        targets)}
+    by_end = {}  # each target under each of its ends
+    for target in targets:
+        parts = split[target]
+        for n in range(2, len(parts) + 1):
+            by_end.setdefault(parts[-n:], []).append(target)
+    pairs, dropped, longer_side = {}, {}, None
+    for key in keys:
+        parts = split[key]
+        if key in by_end.get(parts, ()):
+            pairs[key], dropped[key] = key, ()
+            continue
+        ending_with_key = by_end.get(parts, [])
+        key_ends_with = [t for n in range(len(parts) - 1, 1, -1)
+                         for t in by_end.get(parts[-n:], [])
+                         if len(split[t]) == n]  # the longest first
+        side = "targets" if ending_with_key else "keys"
+        if (ending_with_key and key_ends_with) or len(ending_with_key) > 1 \
+                or not (ending_with_key or key_ends_with) \
+                or longer_side not in (None, side):
+            return None  # no end, or the side or the target in doubt
+        longer_side = side
+        target = (ending_with_key or key_ends_with)[0]
+        pairs[key] = target
+        long_path = target if side == "targets" else key
+        cut = abs(len(split[target]) - len(parts))
+        dropped[long_path] = split[long_path][:cut]
+    if len(set(pairs.values())) != len(pairs) or (
+            whole and set(pairs.values()) != set(targets)):
+        return None
+    for head in set(dropped.values()):
+        for path, drop in dropped.items():
+            if split[path][:len(head)] == head and drop[:len(head)] != head:
+                return None
+    return pairs
 
 
 def synthesize(directory, gamma, step=None):
