@@ -14,9 +14,13 @@ code from ``main(argv)``.
 import argparse
 import contextlib
 import importlib.metadata
+import importlib.util
 import json
+import os
+import re
 import signal
 import sys
+import tempfile
 import warnings
 
 from keras_ema_opt.errors import InvalidArgumentError
@@ -132,7 +136,54 @@ class _Progress:
               end=end, file=self.stream, flush=True)
 
 
+# TensorFlow's start-up notes, written by its C++ runtime to the process'
+# stderr before its logging starts (so `TF_CPP_MIN_LOG_LEVEL` cannot hold
+# them back): absl's preamble, info-level lines (`I0000 ...] oneDNN custom
+# operations are on`, `Could not find cuda drivers`) and the CPU features'
+# second line. Warnings (`W...`) and errors (`E...`) are not among them.
+_STARTUP_NOTE = re.compile(
+    r"WARNING: All log messages before absl::InitializeLog\(\) is called"
+    r"|I\d{4} [\d:.]+ +\d+ [\w.]+:\d+\] "
+    r"|To enable the following instructions: ")
+
+
+def _import_tensorflow_quietly():
+    """Import TensorFlow, where it is installed and not yet imported, with
+    its start-up notes held back (``_STARTUP_NOTE``), and everything else
+    it writes to stderr shown after (all of it where the import fails).
+
+    Keras imports TensorFlow, where it is installed, to save a model on
+    any backend, and TensorFlow's C++ runtime then writes half a dozen
+    info lines between the command's own; importing it first lets the
+    command hold them back. A process's stderr is a file descriptor, so
+    the lines are caught there, not in ``sys.stderr``.
+    """
+    if "tensorflow" in sys.modules or importlib.util.find_spec(
+            "tensorflow") is None:
+        return
+    failed = False
+    with tempfile.TemporaryFile() as caught:
+        sys.stderr.flush()
+        saved = os.dup(2)
+        os.dup2(caught.fileno(), 2)
+        try:
+            import tensorflow  # noqa: F401
+        except Exception:  # Keras says what is wrong where it needs it
+            failed = True
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+        caught.seek(0)
+        text = caught.read().decode(errors="replace")
+    for line in text.splitlines(keepends=True):
+        if failed or not _STARTUP_NOTE.match(line):
+            sys.stderr.write(line)
+    sys.stderr.flush()
+
+
 def _migrate(args):
+    _import_tensorflow_quietly()
     from keras_ema_opt import savedmodel
 
     stopped = []

@@ -310,6 +310,31 @@ def test_cli_shows_a_warning_on_one_line_of_its_own(tmp_path):
                 if line.startswith(" ")], err  # no source line
 
 
+def test_cli_holds_back_tensorflow_start_up_notes(tmp_path):
+    """Keras imports TensorFlow to save a model on any backend, and its C++
+    runtime writes info lines (oneDNN, CUDA drivers) before its logging
+    starts: the command shows its own lines only, and TensorFlow's
+    warnings and errors."""
+    src = _saved_h5(tmp_path, compiled=True)
+    proc = run_python("-c", "import sys; from keras_ema_opt.cli import "
+                      "main; sys.exit(main(sys.argv[1:]))", "migrate", src,
+                      str(tmp_path / "new.keras"), backend="torch")
+    assert proc.returncode == 0, proc.stderr
+    err = proc.stderr.splitlines()
+    assert [line for line in err if line.startswith(
+        "keras-ema-opt migrate: done")]
+    notes = [line for line in err if re.match(r"I\d{4} |WARNING: All log "
+                                              r"messages before absl", line)]
+    assert not notes, "\n".join(err)
+    from keras_ema_opt.cli import _STARTUP_NOTE
+
+    for line in ("E0000 00:00:1796.5   22679 cuda_platform.cc:52] failed "
+                 "call to cuInit: INTERNAL", "W0000 00:00:17.4  7 "
+                 "tf_trt.cc:3] TF-TRT Warning: Could not find TensorRT",
+                 "UserWarning: something", "keras-ema-opt migrate: done"):
+        assert not _STARTUP_NOTE.match(line), line
+
+
 def test_cli_warning_format_is_given_back_and_warnings_still_recorded(
         tmp_path):
     """In-process, the command changes only how a warning is formatted,
