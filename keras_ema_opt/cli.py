@@ -291,7 +291,7 @@ def _inspect(args):
     else:
         print(f"  optimizer: {opt['class_name']} ({opt['kind']}), "
               f"iterations {opt['iterations']}, learning rate "
-              f"{opt['learning_rate']}, EMA {'yes' if opt['ema'] else 'no'}")
+              f"{_learning_rate(opt)}, EMA {'yes' if opt['ema'] else 'no'}")
         if opt["config"]:
             print(f"  config: {json.dumps(opt['config'].get('config', opt['config']))}")
         for name, slots in opt["slots"].items():
@@ -299,6 +299,22 @@ def _inspect(args):
     for warning in summary["warnings"]:
         print(f"  note: {warning}")
     return 0
+
+
+def _learning_rate(opt):
+    """The learning rate ``inspect`` shows: the stored value, else the
+    config's (an h5 file keeps a Keras 2.11+ optimizer's there only), a
+    schedule by its class."""
+    def shown(value):  # float32 values to float32's digits
+        return f"{value:.7g}" if isinstance(value, float) else str(value)
+
+    if opt["learning_rate"] is not None:
+        return shown(opt["learning_rate"])
+    config = opt["config"] or {}
+    value = config.get("config", config).get("learning_rate")
+    if isinstance(value, dict):  # a serialized schedule
+        return f"{value.get('class_name', 'schedule')} (config)"
+    return "not stored" if value is None else f"{shown(value)} (config)"
 
 
 def _bench(argv):

@@ -375,6 +375,19 @@ def test_cli_inspect_json(artifacts, capsys):
     assert summary["optimizer"]["class_name"] == "Adam"
 
 
+@pytest.mark.parametrize("form,shown", [
+    ("model.h5", "learning rate 0.01 (config)"),  # not stored in an h5
+    ("savedmodel", "learning rate 0.01,")])
+def test_cli_inspect_names_the_learning_rate(artifacts, capsys, form, shown):
+    from keras_ema_opt.cli import main
+
+    path = os.path.join(artifacts, "adam-mlp", form)
+    assert main(["inspect", path]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    line = [line for line in lines if line.startswith("  optimizer: ")]
+    assert line and "Adam (new), iterations 3, " + shown in line[0], lines
+
+
 def _copy(src, dst):
     import shutil
 
