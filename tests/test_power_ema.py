@@ -446,6 +446,20 @@ def test_synthesis_after_a_resume_with_a_larger_every(tmp_path):
     np.testing.assert_array_equal(at_35["w"], at_25["w"])
 
 
+def _fit_with_snapshots(model, x, y, folder, every):
+    """``model`` fitted with Adam and a PowerEMA writing a snapshot every
+    ``every`` steps to ``folder``; returns the averaging."""
+    averaging = keras_ema_opt.PowerEMA(sigma_rels=(0.05, 0.10),
+                                       snapshot_every=every,
+                                       snapshot_dir=str(folder),
+                                       finalize=False)
+    model.compile(optimizer=keras_ema_opt.Adam(0.01, averaging=averaging),
+                  loss="mse")
+    model.fit(x, y, batch_size=2, verbose=0,
+              callbacks=[PowerEMASnapshots()])
+    return averaging
+
+
 def test_snapshots_and_assign_by_path_across_a_save_and_load(tmp_path):
     # Keras 3 names a built Sequential's variables `sequential/d1/kernel`
     # and the same model loaded from a .keras file `d1/kernel`: snapshots
@@ -463,14 +477,7 @@ def test_snapshots_and_assign_by_path_across_a_save_and_load(tmp_path):
                 keras.layers.Dense(1, name="d2")]
 
     model = keras.Sequential(layers())
-    averaging = keras_ema_opt.PowerEMA(sigma_rels=(0.05, 0.10),
-                                       snapshot_every=4,
-                                       snapshot_dir=str(folder),
-                                       finalize=False)
-    model.compile(optimizer=keras_ema_opt.Adam(0.01, averaging=averaging),
-                  loss="mse")
-    model.fit(x, y, batch_size=2, verbose=0,
-              callbacks=[PowerEMASnapshots()])
+    averaging = _fit_with_snapshots(model, x, y, folder, every=4)
     before = {v.path for v in model.trainable_variables}
     name = model.name  # `sequential`, or `sequential_<n>` after others
     assert all(path.startswith(name + "/") for path in before)
@@ -589,14 +596,7 @@ def test_snapshots_of_a_nested_model_across_a_save_and_load(tmp_path):
         return keras.Model(inputs, keras.layers.Dense(1, name="o")(h))
 
     model = build()
-    averaging = keras_ema_opt.PowerEMA(sigma_rels=(0.05, 0.10),
-                                       snapshot_every=2,
-                                       snapshot_dir=str(folder),
-                                       finalize=False)
-    model.compile(optimizer=keras_ema_opt.Adam(0.01, averaging=averaging),
-                  loss="mse")
-    model.fit(x, y, batch_size=2, verbose=0,
-              callbacks=[PowerEMASnapshots()])
+    averaging = _fit_with_snapshots(model, x, y, folder, every=2)
     before = [v.path for v in model.trainable_variables]
     model.save(tmp_path / "mid.keras")
     loaded = keras.saving.load_model(tmp_path / "mid.keras")
