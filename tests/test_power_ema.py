@@ -554,17 +554,36 @@ def test_align_paths_without_the_names_of_nested_containers():
     assert align_paths(["d/kernel"], ["blk/d/kernel", "blk/bn/moving_mean"],
                        model_name="functional") == {
         "d/kernel": "blk/d/kernel"}
-    # A subclassed layer keeps its name (`x/a/d/kernel` loads as
-    # `a/d/kernel`) beside a Sequential that does not: the longest end.
+    # A Sequential `x` holding a subclassed layer `a`, which keeps its name
+    # on loading (`x/a/d/kernel` loads as `a/d/kernel`), and a Sequential
+    # `b`, which does not: between snapshots, which name every variable,
+    # the longest end; into a model, where some variables take nothing,
+    # in doubt.
     assert align_paths(["x/a/d/kernel", "x/b/d/kernel"],
                        ["a/d/kernel", "d/kernel"]) == {
         "x/a/d/kernel": "a/d/kernel", "x/b/d/kernel": "d/kernel"}
+    assert align_paths(["x/a/d/kernel"], ["a/d/kernel", "d/kernel"],
+                       model_name="functional") is None
+    assert align_paths(["s/x/d/kernel"], ["d/kernel", "x/d/kernel"],
+                       model_name="functional") is None
+    # A functional model with a Sequential `enc` and a subclassed `dec`,
+    # each holding a Dense `d`: `dec/d/kernel` is itself on both sides, and
+    # the other `d` is `enc`'s, both ways.
+    built, loaded = (["enc/d/kernel", "dec/d/kernel"],
+                     ["d/kernel", "dec/d/kernel"])
+    assert align_paths(built, loaded) == dict(zip(built, loaded))
+    assert align_paths(loaded, built) == dict(zip(loaded, built))
     # A container's name goes from all the paths under it or from none.
     assert align_paths(["encoder/dense/kernel", "encoder/dense_1/kernel"],
                        ["dense/kernel", "encoder/dense_1/kernel"]) is None
     assert align_paths(["dense/kernel", "encoder/dense_1/kernel"],
                        ["encoder/dense/kernel",
                         "encoder/dense_1/kernel"]) is None
+    assert align_paths(["encoder/dense/kernel"],
+                       ["dense/kernel", "encoder/dense_1/kernel"],
+                       model_name="m") is None
+    # Snapshots name the same variables: a target left over, no map.
+    assert align_paths(["blk/d/kernel"], ["d/kernel", "o/kernel"]) is None
     # Two containers' layers of one name: in doubt, no map.
     assert align_paths(["enc/d/kernel", "dec/d/kernel"], ["d/kernel"]) is None
     assert align_paths(["d/kernel"], ["enc/d/kernel", "dec/d/kernel"],
@@ -574,6 +593,31 @@ def test_align_paths_without_the_names_of_nested_containers():
                        ["d/kernel", "b/e/kernel"]) is None
     # A variable's name alone is no end to match.
     assert align_paths(["blk/kernel"], ["kernel"]) is None
+    assert align_paths(["kernel"], ["blk/kernel"]) is None
+    # A key longer than one target and shorter than another: no map.
+    assert align_paths(["a/d/kernel"], ["d/kernel", "x/a/d/kernel"],
+                       model_name="m") is None
+
+
+def test_assign_by_path_refuses_a_model_of_repeated_paths(tmp_path):
+    # Two Sequentials each holding a Dense `d`: loaded, both kernels are
+    # at `d/kernel`, and no weight may go to either.
+    inputs = keras.Input((4,))
+    h = keras.Sequential([keras.layers.Dense(4, name="d")], name="enc")(
+        inputs)
+    h = keras.Sequential([keras.layers.Dense(4, name="d")], name="dec")(h)
+    keras.Model(inputs, h).save(tmp_path / "m.keras")
+    loaded = keras.saving.load_model(tmp_path / "m.keras")
+    before = [to_numpy(v) for v in loaded.weights]
+    paths = [v.path for v in loaded.trainable_variables]
+    assert paths.count("d/kernel") == 2  # Keras 3.15's paths
+    for weights in ({"enc/d/kernel": np.ones((4, 4), "float32")},
+                    {"d/kernel": np.ones((4, 4), "float32")}):
+        with pytest.raises(ValueError, match=r"more than one variable at "
+                           r"the path\(s\) \['d/bias', 'd/kernel'\]"):
+            keras_ema_opt.averaging.assign_by_path(loaded, weights)
+    for v, old in zip(loaded.weights, before):
+        np.testing.assert_array_equal(to_numpy(v), old)
 
 
 def test_snapshots_of_a_nested_model_across_a_save_and_load(tmp_path):

@@ -574,15 +574,29 @@ def assign_by_path(model, weights):
     """
     from keras_ema_opt.averaging import posthoc
 
-    by_path = {v.path: v for v in model_variables(model)}
-    names = posthoc.align_paths(weights, by_path,
+    variables = model_variables(model)
+    by_path = {v.path: v for v in variables}
+    paths = [v.path for v in variables]
+    names = posthoc.align_paths(weights, paths,
                                 model_name=getattr(model, "name", None) or "")
+    repeated = sorted(path for path in by_path if paths.count(path) > 1)
+    if repeated and (names is None or set(names.values()) & set(repeated)):
+        # A loaded model names the layers of two containers alike
+        # (`enc/d/kernel` and `dec/d/kernel` both load as `d/kernel`).
+        raise ValueError(
+            f"The model has more than one variable at the path(s) "
+            f"{repeated[:5]}, and assign_by_path places weights by path: "
+            "give the layers distinct names (a loaded model's paths lack "
+            "the names of the Sequential and functional models nesting "
+            "its layers).")
     if names is None:
         unknown = sorted(set(weights) - set(by_path))
         raise KeyError(
             f"{len(unknown)} weight(s) name no variable of the model: "
-            f"{unknown[:5]}. The model's variables: {sorted(by_path)[:5]}..."
-        )
+            f"{unknown[:5]} (by path, or by path without the names of its "
+            "model and of the models and wrappers nesting a layer, one "
+            "variable each; where two could take one, neither does). The "
+            f"model's variables: {sorted(by_path)[:5]}...")
     for path, value in weights.items():  # every shape before any assign
         var = by_path[names[path]]
         if tuple(var.shape) != tuple(np.shape(value)):

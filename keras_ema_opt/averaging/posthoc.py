@@ -257,50 +257,75 @@ def _without_containers(keys, targets, whole):
     outside the name scopes of the models and wrappers that hold them:
     ``outer/block/d/kernel`` (a ``Sequential`` nesting a ``Sequential``)
     loads as ``d/kernel``, ``bi/forward_g/gru_cell/kernel`` (a
-    ``Bidirectional``) as ``forward_g/gru_cell/kernel``. Each key maps to
-    the target that ends with it or that it ends with (a layer and a
-    variable at least), the longest where several do, one to one, the
-    keys all the longer side or all the shorter one. A container's name is
-    dropped from all the paths under it or from none: where a pair drops
-    ``encoder``, every path of the longer side under ``encoder/`` drops at
-    least that, so ``encoder/dense/kernel`` never takes ``dense/kernel``
-    beside an ``encoder/dense_1/kernel``.
+    ``Bidirectional``) as ``forward_g/gru_cell/kernel``; a subclassed
+    layer keeps its name. A key that is a target maps to itself. Every
+    other key maps to a target not taken so that one of the two ends with
+    the other (a layer and a variable at least): the one target that ends
+    with the key, or the longest the key ends with, where the map must
+    name every target (``whole``), the only one otherwise. The keys are
+    all the longer side of their pairs or all the shorter; the map is one
+    to one. A container's name goes from all the paths under it or from
+    none: where a pair drops ``encoder``, every paired path of the longer
+    side under ``encoder/`` drops at least that, and no path of the
+    shorter side starts with it, so ``encoder/dense/kernel`` never takes
+    ``dense/kernel`` beside an ``encoder/dense_1/kernel``. Into a model
+    (not ``whole``), the model's variables that take no key are not
+    looked at on the longer side: a built model's BatchNormalization
+    statistics that were not averaged lie under the same containers.
     """
     split = {path: tuple(path.split("/")) for path in list(keys) + list(
         targets)}
-    by_end = {}  # each target under each of its ends
+    by_end = {}  # the targets by each of their ends of two names or more
     for target in targets:
         parts = split[target]
         for n in range(2, len(parts) + 1):
             by_end.setdefault(parts[-n:], []).append(target)
-    pairs, dropped, longer_side = {}, {}, None
+    known = set(targets)
+    pairs = {key: key for key in keys if key in known}
+    taken = set(pairs)
+    longer_side = None  # "keys" or "targets"
+    dropped = {}  # each pair's longer path -> the names it drops
     for key in keys:
-        parts = split[key]
-        if key in by_end.get(parts, ()):
-            pairs[key], dropped[key] = key, ()
+        if key in pairs:
             continue
-        ending_with_key = by_end.get(parts, [])
+        parts = split[key]
+        ending_with_key = [t for t in by_end.get(parts, ())
+                           if t not in taken]
         key_ends_with = [t for n in range(len(parts) - 1, 1, -1)
-                         for t in by_end.get(parts[-n:], [])
-                         if len(split[t]) == n]  # the longest first
+                         for t in by_end.get(parts[-n:], ())
+                         if len(split[t]) == n and t not in taken]
+        if not ending_with_key and not key_ends_with:
+            return None  # no target for this key
+        if ending_with_key and key_ends_with:
+            return None  # the key longer than one target, shorter than one
+        if len(ending_with_key) > 1:
+            return None  # several targets could have lost the same names
+        if len(key_ends_with) > 1 and not whole:
+            return None  # the longest is sure only where all are named
         side = "targets" if ending_with_key else "keys"
-        if (ending_with_key and key_ends_with) or len(ending_with_key) > 1 \
-                or not (ending_with_key or key_ends_with) \
-                or longer_side not in (None, side):
-            return None  # no end, or the side or the target in doubt
+        if longer_side not in (None, side):
+            return None  # the keys longer in one pair, shorter in another
         longer_side = side
         target = (ending_with_key or key_ends_with)[0]
         pairs[key] = target
-        long_path = target if side == "targets" else key
-        cut = abs(len(split[target]) - len(parts))
-        dropped[long_path] = split[long_path][:cut]
+        longer, shorter = (target, key) if ending_with_key else (key, target)
+        dropped[longer] = split[longer][:len(split[longer])
+                                        - len(split[shorter])]
     if len(set(pairs.values())) != len(pairs) or (
-            whole and set(pairs.values()) != set(targets)):
+            whole and set(pairs.values()) != known):
         return None
-    for head in set(dropped.values()):
-        for path, drop in dropped.items():
-            if split[path][:len(head)] == head and drop[:len(head)] != head:
-                return None
+    if longer_side == "keys":
+        longer_paths, shorter_paths = list(pairs), targets
+    else:
+        longer_paths, shorter_paths = list(pairs.values()), keys
+    for head in set(dropped.values()) - {()}:
+        for path in longer_paths:
+            if split[path][:len(head)] == head and dropped.get(
+                    path, ())[:len(head)] != head:
+                return None  # a container's name dropped from some paths
+        for path in shorter_paths:
+            if split[path][:len(head)] == head:
+                return None  # and kept on the other side
     return pairs
 
 
