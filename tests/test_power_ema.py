@@ -594,9 +594,53 @@ def test_align_paths_without_the_names_of_nested_containers():
     # A variable's name alone is no end to match.
     assert align_paths(["blk/kernel"], ["kernel"]) is None
     assert align_paths(["kernel"], ["blk/kernel"]) is None
+    # A Sequential `s` holding a subclassed `x` and a Sequential `y`, each
+    # with a Dense `d`: `x/d` has one target, and then `d` one left, in
+    # any order and both ways, between snapshots and into a model.
+    built = ["s/x/d/kernel", "s/y/d/kernel"]
+    loaded = ["x/d/kernel", "d/kernel"]
+    for keys, targets in ((built, loaded), (loaded, built),
+                          (built[::-1], loaded[::-1]),
+                          (loaded[::-1], built[::-1])):
+        want = dict(zip(keys, targets))
+        assert align_paths(keys, targets) == want
+        assert align_paths(keys, targets, model_name="s") == want
+    # Into a model, a weight at a path of the model that a variable no
+    # weight goes to ends with (a loaded `enc/d`, beside a built model's
+    # frozen top-level `d`): in doubt.
+    assert align_paths(["d/kernel"], ["enc/d/kernel", "d/kernel"],
+                       model_name="m") is None
+    assert align_paths(["d/kernel", "o/kernel"],
+                       ["enc/d/kernel", "d/kernel", "o/kernel"],
+                       model_name="m") is None
+    assert align_paths(["d/kernel", "enc/d/kernel"],
+                       ["enc/d/kernel", "d/kernel"], model_name="m") == {
+        "d/kernel": "d/kernel", "enc/d/kernel": "enc/d/kernel"}
     # A key longer than one target and shorter than another: no map.
     assert align_paths(["a/d/kernel"], ["d/kernel", "x/a/d/kernel"],
                        model_name="m") is None
+
+
+def test_assign_by_path_refuses_a_path_another_variable_ends_with():
+    # Weights of a loaded model whose Sequential `enc` held a Dense `d`
+    # (loaded: `d/kernel`), into the model as built, whose top-level `d`
+    # is frozen: `d/kernel` could be either, and neither is written.
+    inputs = keras.Input((4,))
+    h = keras.Sequential([keras.layers.Dense(4, name="d")], name="enc")(
+        inputs)
+    top = keras.layers.Dense(4, name="d", trainable=False)
+    model = keras.Model(inputs, top(h))
+    assert sorted(v.path for v in model.weights) == [
+        "d/bias", "d/kernel", "enc/d/bias", "enc/d/kernel"]
+    before = [to_numpy(v) for v in model.weights]
+    with pytest.raises(KeyError, match=r"2 weight\(s\) at paths of the "
+                       r"model could also be other variables of it, which "
+                       r"end with those paths: \['d/bias', 'd/kernel'\]"):
+        keras_ema_opt.averaging.assign_by_path(model, {
+            "d/kernel": np.ones((4, 4), "float32"),
+            "d/bias": np.ones((4,), "float32")})
+    for v, old in zip(model.weights, before):
+        np.testing.assert_array_equal(to_numpy(v), old)
 
 
 def test_assign_by_path_refuses_a_model_of_repeated_paths(tmp_path):

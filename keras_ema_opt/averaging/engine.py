@@ -589,6 +589,14 @@ def assign_by_path(model, weights):
             "give the layers distinct names (a loaded model's paths lack "
             "the names of the Sequential and functional models nesting "
             "its layers).")
+    doubt = posthoc.shadowed(weights, paths)
+    if names is None and doubt:
+        raise KeyError(
+            f"{len(doubt)} weight(s) at paths of the model could also be "
+            f"other variables of it, which end with those paths: {doubt[:5]} "
+            "(a load drops the names of the Sequential and functional "
+            "models nesting a layer): neither is chosen. Give the layers "
+            "distinct names.")
     if names is None:
         unknown = sorted(set(weights) - set(by_path))
         raise KeyError(

@@ -215,9 +215,11 @@ def align_paths(keys, targets, model_name=None):
     known = set(targets)
     if len(set(keys)) != len(keys):
         return None
-    if all(key in known for key in keys):
-        return {key: key for key in keys}
     whole = model_name is None  # each snapshot holds the same variables
+    if all(key in known for key in keys):
+        if not whole and shadowed(keys, targets):
+            return None
+        return {key: key for key in keys}
     under_keys = _under_one(keys)
     if whole:
         under_targets = _under_one(targets)
@@ -249,6 +251,23 @@ def align_paths(keys, targets, model_name=None):
     return found[0] if len(found) == 1 else None
 
 
+def shadowed(keys, targets):
+    """The keys that are targets and could also be another target that no
+    key is, which a load has put at the key's path (sorted): into a model,
+    a weight for ``d/kernel`` from a loaded model whose Sequential ``enc``
+    held that ``d``, beside a built model's frozen top-level ``d``."""
+    exact = set(keys) & set(targets)
+    found = set()
+    for target in targets:
+        if target in exact:
+            continue
+        parts = target.split("/")
+        found.update(end for end in ("/".join(parts[-n:])
+                                     for n in range(2, len(parts)))
+                     if end in exact)
+    return sorted(found)
+
+
 def _without_containers(keys, targets, whole):
     """The map where one side's paths are the other's without the names of
     layers that hold layers, or None.
@@ -258,23 +277,27 @@ def _without_containers(keys, targets, whole):
     ``outer/block/d/kernel`` (a ``Sequential`` nesting a ``Sequential``)
     loads as ``d/kernel``, ``bi/forward_g/gru_cell/kernel`` (a
     ``Bidirectional``) as ``forward_g/gru_cell/kernel``; a subclassed
-    layer keeps its name. A key that is a target maps to itself. Every
-    other key maps to a target not taken so that one of the two ends with
-    the other (a layer and a variable at least): the one target that ends
-    with the key, or the longest the key ends with, where the map must
-    name every target (``whole``), the only one otherwise. The keys are
-    all the longer side of their pairs or all the shorter; the map is one
-    to one. A container's name goes from all the paths under it or from
+    layer keeps its name. A key that is a target maps to itself (into a
+    model, not where a target no key is ends with it: ``shadowed``).
+    Every other key maps to a target that ends with it or that it ends
+    with (a layer and a variable at least), not a key's own: the only
+    such target left once the keys with one have taken theirs, over and
+    over; between snapshots (``whole``, the map naming every target), a
+    key that its ends leave in doubt takes the longest. The keys are all
+    the longer side of their pairs or all the shorter; the map is one to
+    one. A container's name goes from all the paths under it or from
     none: where a pair drops ``encoder``, every paired path of the longer
     side under ``encoder/`` drops at least that, and no path of the
     shorter side starts with it, so ``encoder/dense/kernel`` never takes
-    ``dense/kernel`` beside an ``encoder/dense_1/kernel``. Into a model
-    (not ``whole``), the model's variables that take no key are not
-    looked at on the longer side: a built model's BatchNormalization
-    statistics that were not averaged lie under the same containers.
+    ``dense/kernel`` beside an ``encoder/dense_1/kernel``. Into a model,
+    the model's variables that take no key are not looked at on the
+    longer side: a built model's BatchNormalization statistics that were
+    not averaged lie under the same containers.
     """
     split = {path: tuple(path.split("/")) for path in list(keys) + list(
         targets)}
+    if not whole and shadowed(keys, targets):
+        return None
     by_end = {}  # the targets by each of their ends of two names or more
     for target in targets:
         parts = split[target]
@@ -284,7 +307,7 @@ def _without_containers(keys, targets, whole):
     pairs = {key: key for key in keys if key in known}
     taken = set(pairs)
     longer_side = None  # "keys" or "targets"
-    dropped = {}  # each pair's longer path -> the names it drops
+    candidates = {}  # key -> its targets, the longest first
     for key in keys:
         if key in pairs:
             continue
@@ -298,22 +321,35 @@ def _without_containers(keys, targets, whole):
             return None  # no target for this key
         if ending_with_key and key_ends_with:
             return None  # the key longer than one target, shorter than one
-        if len(ending_with_key) > 1:
-            return None  # several targets could have lost the same names
-        if len(key_ends_with) > 1 and not whole:
-            return None  # the longest is sure only where all are named
         side = "targets" if ending_with_key else "keys"
         if longer_side not in (None, side):
             return None  # the keys longer in one pair, shorter in another
         longer_side = side
-        target = (ending_with_key or key_ends_with)[0]
-        pairs[key] = target
-        longer, shorter = (target, key) if ending_with_key else (key, target)
-        dropped[longer] = split[longer][:len(split[longer])
-                                        - len(split[shorter])]
+        candidates[key] = ending_with_key or key_ends_with
+    while candidates:  # a key with one target left takes it
+        forced = {key: left[0] for key, left in (
+            (key, [t for t in cands if t not in taken])
+            for key, cands in candidates.items()) if len(left) == 1}
+        if not forced:
+            break
+        for key, target in forced.items():
+            pairs[key] = target
+            taken.add(target)
+            del candidates[key]
+    for key, cands in candidates.items():
+        left = [t for t in cands if t not in taken]
+        if not left or not whole or longer_side != "keys":
+            return None  # several targets could have lost the same names
+        pairs[key] = left[0]  # between snapshots: the longest
     if len(set(pairs.values())) != len(pairs) or (
             whole and set(pairs.values()) != known):
         return None
+    dropped = {}  # each pair's longer path -> the names it drops
+    for key, target in pairs.items():
+        longer, shorter = ((target, key) if longer_side == "targets"
+                           else (key, target))
+        dropped[longer] = split[longer][:len(split[longer])
+                                        - len(split[shorter])]
     if longer_side == "keys":
         longer_paths, shorter_paths = list(pairs), targets
     else:
