@@ -19,8 +19,8 @@ import json
 import os
 import re
 import signal
+import subprocess
 import sys
-import tempfile
 import warnings
 
 from keras_ema_opt.errors import InvalidArgumentError
@@ -147,39 +147,65 @@ _STARTUP_NOTE = re.compile(
     r"|To enable the following instructions: ")
 
 
+# Run by a child process that reads what TensorFlow's import writes to
+# stderr and passes on all but the notes. A child, not a thread or a file:
+# where the import aborts the process (a `F...` fatal line, a CPU without
+# the instructions TensorFlow was built for), what it wrote is still in the
+# pipe, and the child passes it on. It ignores Ctrl-C, which the parent
+# passes on to the import, and it ends when the pipe closes.
+_FILTER = """\
+import re, signal, sys
+signal.signal(signal.SIGINT, signal.SIG_IGN)
+note = re.compile(sys.argv[1].encode())
+for line in sys.stdin.buffer:
+    if not note.match(line):
+        sys.stderr.buffer.write(line)
+        sys.stderr.buffer.flush()
+"""
+
+
 def _import_tensorflow_quietly():
     """Import TensorFlow, where it is installed and not yet imported, with
-    its start-up notes held back (``_STARTUP_NOTE``), and everything else
-    it writes to stderr shown after (all of it where the import fails).
+    its start-up notes held back (``_STARTUP_NOTE``) and everything else
+    it writes to stderr passed on as it comes.
 
     Keras imports TensorFlow, where it is installed, to save a model on
     any backend, and TensorFlow's C++ runtime then writes half a dozen
     info lines between the command's own; importing it first lets the
     command hold them back. A process's stderr is a file descriptor, so
-    the lines are caught there, not in ``sys.stderr``.
+    the lines are caught there, through a pipe to ``_FILTER``. Where
+    stderr is closed, or no Python can be started, nothing is caught.
     """
     if "tensorflow" in sys.modules or importlib.util.find_spec(
-            "tensorflow") is None:
+            "tensorflow") is None or not sys.executable:
         return
-    failed = False
-    with tempfile.TemporaryFile() as caught:
+    try:
+        os.fstat(2)
         sys.stderr.flush()
-        saved = os.dup(2)
-        os.dup2(caught.fileno(), 2)
+        child = subprocess.Popen(
+            [sys.executable, "-I", "-S", "-c", _FILTER,
+             _STARTUP_NOTE.pattern], stdin=subprocess.PIPE,
+            stdout=subprocess.DEVNULL)
+    except (OSError, AttributeError, ValueError):
+        return  # no stderr to catch, or no child
+    saved = os.dup(2)
+    try:
+        os.dup2(child.stdin.fileno(), 2)
         try:
             import tensorflow  # noqa: F401
         except Exception:  # Keras says what is wrong where it needs it
-            failed = True
+            pass
         finally:
             sys.stderr.flush()
             os.dup2(saved, 2)
-            os.close(saved)
-        caught.seek(0)
-        text = caught.read().decode(errors="replace")
-    for line in text.splitlines(keepends=True):
-        if failed or not _STARTUP_NOTE.match(line):
-            sys.stderr.write(line)
-    sys.stderr.flush()
+    finally:
+        os.close(saved)
+        child.stdin.close()
+        try:  # the child ends once the pipe is closed
+            child.wait(timeout=30)
+        except subprocess.TimeoutExpired:  # a process the import started
+            child.kill()  # holds the pipe open
+            child.wait()
 
 
 def _migrate(args):
@@ -303,15 +329,22 @@ def _inspect(args):
 
 def _learning_rate(opt):
     """The learning rate ``inspect`` shows: the stored value, else the
-    config's (an h5 file keeps a Keras 2.11+ optimizer's there only), a
-    schedule by its class."""
-    def shown(value):  # float32 values to float32's digits
-        return f"{value:.7g}" if isinstance(value, float) else str(value)
+    config's (an h5 file keeps a Keras 2.11+ optimizer's there only;
+    OptimizerV2's may be ``lr``), a schedule by its class."""
+    def shown(value):
+        if isinstance(value, float):
+            return f"{value:.7g}"  # float32 values to float32's digits
+        if isinstance(value, int) and not isinstance(value, bool):
+            return str(value)
+        return repr(value)
 
     if opt["learning_rate"] is not None:
         return shown(opt["learning_rate"])
-    config = opt["config"] or {}
-    value = config.get("config", config).get("learning_rate")
+    config = opt["config"]
+    inner = config.get("config", config) if isinstance(config, dict) else None
+    if not isinstance(inner, dict):
+        return "not stored"
+    value = inner.get("learning_rate", inner.get("lr"))
     if isinstance(value, dict):  # a serialized schedule
         return f"{value.get('class_name', 'schedule')} (config)"
     return "not stored" if value is None else f"{shown(value)} (config)"

@@ -388,6 +388,22 @@ def test_cli_inspect_names_the_learning_rate(artifacts, capsys, form, shown):
     assert line and "Adam (new), iterations 3, " + shown in line[0], lines
 
 
+@pytest.mark.parametrize("config,shown", [
+    (None, "not stored"), ({}, "not stored"), ({"config": None}, "not stored"),
+    ({"config": "Adam"}, "not stored"),
+    ({"class_name": "Adam", "config": {"lr": 0.001}}, "0.001 (config)"),
+    ({"config": {"learning_rate": "0.01"}}, "'0.01' (config)"),
+    ({"config": {"learning_rate": {"class_name": "ExponentialDecay",
+                                   "config": {}}}},
+     "ExponentialDecay (config)")])
+def test_inspect_learning_rate_of_any_config(config, shown):
+    # A damaged or Keras 2 legacy optimizer config (OptimizerV2's `lr`)
+    # is shown as it is, never a traceback.
+    from keras_ema_opt.cli import _learning_rate
+
+    assert _learning_rate({"learning_rate": None, "config": config}) == shown
+
+
 def _copy(src, dst):
     import shutil
 

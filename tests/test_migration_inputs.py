@@ -335,6 +335,38 @@ def test_cli_holds_back_tensorflow_start_up_notes(tmp_path):
         assert not _STARTUP_NOTE.match(line), line
 
 
+def test_cli_shows_what_a_failing_tensorflow_import_writes(tmp_path):
+    """Where TensorFlow's import aborts the process (a fatal `F...` line,
+    as on a CPU without the instructions it was built for), what it wrote
+    still reaches stderr, its notes still held back. TensorFlow cannot be
+    made to fail so here: a package of its name on PYTHONPATH writes the
+    lines and aborts, as its C++ runtime does."""
+    import subprocess
+    import sys
+
+    fake = tmp_path / "fake" / "tensorflow"
+    fake.mkdir(parents=True)
+    (fake / "__init__.py").write_text(
+        "import os\n"
+        "os.write(2, b'I0000 00:00:17.5  7 port.cc:153] oneDNN custom "
+        "operations are on.\\n')\n"
+        "os.write(2, b'F0000 00:00:17.6  7 cpu_feature_guard.cc:9] The "
+        "TensorFlow library was compiled to use AVX instructions\\n')\n"
+        "os.abort()\n")
+    src = _saved_h5(tmp_path, compiled=False)
+    env = dict(os.environ, KERAS_BACKEND="torch",
+               PYTHONPATH=str(fake.parent))
+    proc = subprocess.run(
+        [sys.executable, "-c", "import sys; from keras_ema_opt.cli import "
+         "main; sys.exit(main(sys.argv[1:]))", "migrate", src,
+         str(tmp_path / "new.keras")], env=env, capture_output=True,
+        text=True, timeout=240)
+    assert proc.returncode == -signal.SIGABRT, proc.stderr
+    assert "compiled to use AVX instructions" in proc.stderr
+    assert "oneDNN" not in proc.stderr
+    assert not (tmp_path / "new.keras").exists()
+
+
 def test_cli_warning_format_is_given_back_and_warnings_still_recorded(
         tmp_path):
     """In-process, the command changes only how a warning is formatted,
