@@ -384,18 +384,24 @@ def test_align_paths_under_a_model_name():
     assert align_paths(loaded, built + again) is None
 
 
+def _refused_and_untouched(model, weights, error, match):
+    """``assign_by_path(model, weights)`` raises ``error`` matching
+    ``match`` and leaves every variable of the model as it was."""
+    before = [to_numpy(v) for v in model.weights]
+    with pytest.raises(error, match=match):
+        keras_ema_opt.averaging.assign_by_path(model, weights)
+    for v, old in zip(model.weights, before):
+        np.testing.assert_array_equal(to_numpy(v), old)
+
+
 def test_assign_by_path_checks_every_shape_first():
     model = keras.Sequential([keras.Input((3,)),
                               keras.layers.Dense(2, name="d1")])
-    before = [to_numpy(v) for v in model.weights]
     head = model.name + "/"
-    with pytest.raises(ValueError, match=r"Shape mismatch for d1/bias "
-                       rf"\({head}d1/bias here\)"):
-        keras_ema_opt.averaging.assign_by_path(model, {
-            "d1/kernel": np.ones((3, 2), "float32"),
-            "d1/bias": np.ones((3,), "float32")})
-    for v, old in zip(model.weights, before):
-        np.testing.assert_array_equal(to_numpy(v), old)
+    _refused_and_untouched(model, {
+        "d1/kernel": np.ones((3, 2), "float32"),
+        "d1/bias": np.ones((3,), "float32")}, ValueError,
+        rf"Shape mismatch for d1/bias \({head}d1/bias here\)")
 
 
 def test_synthesis_of_a_snapshot_before_the_first_update(tmp_path):
@@ -632,15 +638,12 @@ def test_assign_by_path_refuses_a_path_another_variable_ends_with():
     model = keras.Model(inputs, top(h))
     assert sorted(v.path for v in model.weights) == [
         "d/bias", "d/kernel", "enc/d/bias", "enc/d/kernel"]
-    before = [to_numpy(v) for v in model.weights]
-    with pytest.raises(KeyError, match=r"2 weight\(s\) at paths of the "
-                       r"model could also be other variables of it, which "
-                       r"end with those paths: \['d/bias', 'd/kernel'\]"):
-        keras_ema_opt.averaging.assign_by_path(model, {
-            "d/kernel": np.ones((4, 4), "float32"),
-            "d/bias": np.ones((4,), "float32")})
-    for v, old in zip(model.weights, before):
-        np.testing.assert_array_equal(to_numpy(v), old)
+    _refused_and_untouched(model, {
+        "d/kernel": np.ones((4, 4), "float32"),
+        "d/bias": np.ones((4,), "float32")}, KeyError,
+        r"2 weight\(s\) at paths of the model could also be other "
+        r"variables of it, which end with those paths: "
+        r"\['d/bias', 'd/kernel'\]")
 
 
 def test_assign_by_path_refuses_a_model_of_repeated_paths(tmp_path):
@@ -652,16 +655,14 @@ def test_assign_by_path_refuses_a_model_of_repeated_paths(tmp_path):
     h = keras.Sequential([keras.layers.Dense(4, name="d")], name="dec")(h)
     keras.Model(inputs, h).save(tmp_path / "m.keras")
     loaded = keras.saving.load_model(tmp_path / "m.keras")
-    before = [to_numpy(v) for v in loaded.weights]
     paths = [v.path for v in loaded.trainable_variables]
     assert paths.count("d/kernel") == 2  # Keras 3.15's paths
     for weights in ({"enc/d/kernel": np.ones((4, 4), "float32")},
                     {"d/kernel": np.ones((4, 4), "float32")}):
-        with pytest.raises(ValueError, match=r"more than one variable at "
-                           r"the path\(s\) \['d/bias', 'd/kernel'\]"):
-            keras_ema_opt.averaging.assign_by_path(loaded, weights)
-    for v, old in zip(loaded.weights, before):
-        np.testing.assert_array_equal(to_numpy(v), old)
+        _refused_and_untouched(
+            loaded, weights, ValueError,
+            r"more than one variable at the path\(s\) "
+            r"\['d/bias', 'd/kernel'\]")
 
 
 def test_snapshots_of_a_nested_model_across_a_save_and_load(tmp_path):
