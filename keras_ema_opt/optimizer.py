@@ -487,7 +487,8 @@ class Optimizer(backend.OptimizerHooks, keras.optimizers.Optimizer):
         jit_compile = arguments.pop("jit_compile", True)
         averaging = arguments.pop("averaging", None)
         follows = averaging is None  # an EMA from use_ema, if any
-        _check_known(cls_name, arguments, _accepted_arguments(signature))
+        _check_known(cls_name, arguments,
+                     _accepted_arguments(signature, type(self), keras_init))
         defaults = _defaults(signature)
         value = lambda k: arguments.get(k, defaults.get(k))  # noqa: E731
         decay, transformers, aggregator = _take_legacy_arguments(
@@ -501,6 +502,13 @@ class Optimizer(backend.OptimizerHooks, keras.optimizers.Optimizer):
         averaging = _resolve_averaging(
             averaging, value("use_ema"), value("ema_momentum")
         )
+        if not follows and arguments.get("ema_momentum", defaults.get(
+                "ema_momentum")) != defaults.get("ema_momentum") and (
+                averaging != EMA(value("ema_momentum"))):
+            warnings.warn(
+                f"{cls_name}: ema_momentum={value('ema_momentum')} is not "
+                f"used: the averages follow averaging={averaging!r}.",
+                UserWarning, stacklevel=3)
         if averaging is not None:
             arguments["use_ema"] = True
         _validate_clipping(value("clipnorm"), value("global_clipnorm"))
@@ -1342,12 +1350,12 @@ class Optimizer(backend.OptimizerHooks, keras.optimizers.Optimizer):
                     f"Received: slot={slot!r}")
         if self._averager is None:
             if self.averaging is None:
-                raise ValueError(
+                raise InvalidArgumentError(
                     f"{what}() needs averaging: create the optimizer with "
                     "`use_ema=True` or `averaging=keras_ema_opt.EMA(...)` "
                     "(or SWA, PowerEMA)."
                 )
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"{what}() needs the optimizer built: call "
                 "`optimizer.build(model.trainable_variables)` or train one "
                 "step first."
@@ -1427,16 +1435,41 @@ def _takes_two_arguments(fn):
     ) == 3
 
 
-def _accepted_arguments(signature):
-    params = signature.parameters.values()
-    names = {
-        p.name
-        for p in params
-        if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL) and p.name != "self"
-    }
-    if any(p.kind is p.VAR_KEYWORD for p in params):
-        # `**kwargs` reach Keras' base class: its arguments are accepted.
+def _accepted_arguments(signature, cls=None, init=None):
+    """The arguments ``signature`` accepts, and, where it takes ``**kwargs``
+    (of any name), those of the ``__init__`` it passes them on to: the next
+    classes' up ``cls``'s MRO from the one that defines ``init`` (a user's
+    ``MyAdam(keras.optimizers.Adam)`` with ``__init__(self, foo,
+    **kwargs)`` takes Adam's arguments), down to Keras' base class."""
+    def named(params):
+        return {p.name for p in params
+                if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)
+                and p.name != "self"}
+
+    def forwards(params):
+        return any(p.kind is p.VAR_KEYWORD for p in params)
+
+    params = list(signature.parameters.values())
+    names = named(params)
+    if forwards(params):
+        # `**kwargs` reach Keras' base class at least.
         names |= set(_BASE_ARGUMENTS)
+        mro = list(cls.__mro__) if cls is not None else []
+        owners = [i for i, c in enumerate(mro)
+                  if c.__dict__.get("__init__") is init]
+        for parent in mro[owners[0] + 1:] if owners else ():
+            own = parent.__dict__.get("__init__")
+            if own is None or parent is BaseOptimizer or not issubclass(
+                    parent, BaseOptimizer):
+                continue
+            try:
+                parent_params = list(
+                    inspect.signature(own).parameters.values())
+            except (TypeError, ValueError):
+                break
+            names |= named(parent_params)
+            if not forwards(parent_params):
+                break
     return names | {"jit_compile", "lr", "averaging", *_LEGACY_ARGS}
 
 

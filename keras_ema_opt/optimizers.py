@@ -14,6 +14,7 @@ import keras
 from keras.src.optimizers.base_optimizer import BaseOptimizer
 
 from keras_ema_opt import backend
+from keras_ema_opt.averaging import Averaging
 from keras_ema_opt.errors import InvalidArgumentError
 from keras_ema_opt.optimizer import Optimizer
 
@@ -113,11 +114,16 @@ def contract_class(keras_cls):
     name = keras_cls.__name__
     keras_sig, public_sig = _signature(keras_cls)
 
+    # The name of the class's `**kwargs`, whatever it is (`**kw`).
+    rest = next((p.name for p in keras_sig.parameters.values()
+                 if p.kind is p.VAR_KEYWORD), None)
+
     def __init__(self, *args, **kwargs):
         bound = keras_sig.bind(self, *args, **kwargs)
         arguments = dict(bound.arguments)
         del arguments["self"]
-        arguments.update(arguments.pop("kwargs", {}))
+        if rest is not None:
+            arguments.update(arguments.pop(rest, {}))
         self._construct(keras_cls.__init__, arguments, keras_sig)
 
     __init__.__signature__ = public_sig
@@ -208,6 +214,12 @@ def averaged(optimizer, averaging):
     Returns:
         The averaged optimizer.
 
+    Raises:
+        InvalidArgumentError: an optimizer that is built, that already
+            averages (Keras' ``use_ema=True``, or ``averaging=``), or a
+            ``MultiOptimizer`` (average each of its optimizers instead);
+            an ``averaging`` that is no strategy.
+
     Example:
 
     ```python
@@ -231,11 +243,34 @@ def averaged(optimizer, averaging):
             f"{len(optimizer._trainable_variables)} variables. Call "
             "averaged() before compile()/fit() or the first apply."
         )
+    if not isinstance(averaging, Averaging):
+        raise InvalidArgumentError(
+            "averaged() takes an averaging strategy: keras_ema_opt.EMA(...), "
+            f"SWA(...), PowerEMA(...). Received: averaging={averaging!r}")
+    multi = getattr(keras.optimizers, "MultiOptimizer", None)
+    if multi is not None and isinstance(optimizer, multi):
+        raise InvalidArgumentError(
+            "averaged() takes one update rule; a MultiOptimizer routes "
+            "variables to several: average each of them instead "
+            "(MultiOptimizer(OptimizerMap(averaged(a, ...), {pattern: "
+            f"averaged(b, ...)}}))). Received: {optimizer!r}")
     if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
         config = optimizer.get_config()
         config.pop("inner_optimizer")
         inner = averaged(optimizer.inner_optimizer, averaging)
         return AveragedLossScaleOptimizer(inner, **config)
+    if isinstance(optimizer, Optimizer):
+        held = optimizer.averaging
+        held = None if held is None else f"averaging={held!r}"
+    else:
+        held = getattr(optimizer, "use_ema", False) and (
+            f"use_ema=True, ema_momentum={optimizer.ema_momentum}")
+    if held:
+        raise InvalidArgumentError(
+            f"averaged() attaches one averaging, and {optimizer.name} "
+            f"already averages ({held}): pass it without, or give a "
+            "strategy that keeps several averages (PowerEMA). Received: "
+            f"averaging={averaging!r}")
     rate = getattr(optimizer, "_learning_rate", None)
     live = not isinstance(rate, keras.Variable) and (
         isinstance(rate, keras.optimizers.schedules.LearningRateSchedule)

@@ -132,10 +132,12 @@ def test_average_of_and_assign_averages():
 
 def test_averaging_api_needs_averaging():
     opt = keras_ema_opt.Adam()
-    with pytest.raises(ValueError, match=r"swap_average\(\) needs averaging"):
+    with pytest.raises(InvalidArgumentError,
+                       match=r"swap_average\(\) needs averaging"):
         opt.swap_average()
     opt = keras_ema_opt.Adam(use_ema=True)
-    with pytest.raises(ValueError, match="needs the optimizer built"):
+    with pytest.raises(InvalidArgumentError,
+                       match="needs the optimizer built"):
         opt.average_of(keras.Variable(1.0))
 
 
@@ -708,6 +710,99 @@ def test_averaged_keeps_what_the_config_cannot_carry(rate):
     theirs = train(make())
     for a, b in zip(ours, theirs):
         np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+
+
+class ScaledAdam(keras.optimizers.Adam):
+    """A user's subclass of Keras' Adam that passes Keras' arguments on."""
+
+    def __init__(self, scale=1.0, **kwargs):
+        super().__init__(**kwargs)
+        self.scale = scale
+
+    def update_step(self, gradient, variable, learning_rate):
+        super().update_step(gradient, variable, learning_rate * self.scale)
+
+    def get_config(self):
+        return {**super().get_config(), "scale": self.scale}
+
+
+class ScaledAdamKw(ScaledAdam):
+    """The same, its `**kwargs` named otherwise."""
+
+    def __init__(self, scale=1.0, **kw):
+        super().__init__(scale=scale, **kw)
+
+
+@pytest.mark.parametrize("cls", [ScaledAdam, ScaledAdamKw])
+def test_averaged_takes_a_subclass_passing_keras_arguments_on(cls):
+    # Adam's own arguments (beta_1) reach Adam through the subclass's
+    # `**kwargs`, whatever its name; they were refused as unknown. Oracle:
+    # the subclass itself, same gradients.
+    def train(optimizer):
+        w = keras.Variable(np.ones((2, 2), "float32"))
+        for g in (1.0, -2.0, 0.5):
+            optimizer.apply_gradients([(keras.ops.full((2, 2), g), w)])
+        return to_numpy(w)
+
+    def make():
+        return cls(scale=0.5, learning_rate=0.1, beta_1=0.5, epsilon=1e-3)
+
+    ours = keras_ema_opt.averaged(make(), keras_ema_opt.EMA(0.9))
+    assert ours.scale == 0.5 and ours.beta_1 == 0.5 and ours.epsilon == 1e-3
+    np.testing.assert_allclose(train(ours), train(make()), rtol=1e-6)
+    with pytest.raises(keras_ema_opt.errors.UnknownArgumentError,
+                       match=r"\{'bogus': 1\}"):
+        keras_ema_opt.contract_class(cls)(bogus=1)
+
+
+def _multi_optimizer():
+    multi = getattr(keras.optimizers, "MultiOptimizer", None)
+    if multi is None:
+        pytest.skip("this Keras has no MultiOptimizer")
+    return multi(keras.optimizers.OptimizerMap(keras.optimizers.SGD()))
+
+
+@pytest.mark.parametrize("case", [
+    "no averaging", "MultiOptimizer", "Keras' use_ema", "ours averaging",
+    "loss scale of use_ema"])
+def test_averaged_refuses_what_it_cannot_average(case):
+    O = keras.optimizers
+    optimizer, averaging, match = {
+        "no averaging": (lambda: O.Adam(), None,
+                         r"takes an averaging strategy.*averaging=None"),
+        "MultiOptimizer": (_multi_optimizer, keras_ema_opt.EMA(),
+                           r"MultiOptimizer routes variables to several"),
+        "Keras' use_ema": (lambda: O.SGD(use_ema=True, ema_momentum=0.5),
+                           keras_ema_opt.EMA(0.9),
+                           r"sgd.* already averages \(use_ema=True, "
+                           r"ema_momentum=0.5\)"),
+        "ours averaging": (lambda: keras_ema_opt.averaged(
+            O.Adam(), keras_ema_opt.EMA()), keras_ema_opt.SWA(),
+            r"already averages \(averaging=EMA\(momentum=0.999"),
+        "loss scale of use_ema": (lambda: O.LossScaleOptimizer(
+            O.Adam(use_ema=True)), keras_ema_opt.EMA(),
+            r"already averages \(use_ema=True"),
+    }[case]
+    with pytest.raises(InvalidArgumentError, match=match):
+        keras_ema_opt.averaged(optimizer(), averaging)
+
+
+def test_ema_momentum_beside_another_averaging_warns():
+    with pytest.warns(UserWarning, match=r"Adam: ema_momentum=0.5 is not "
+                      r"used: the averages follow averaging=EMA\(momentum"
+                      r"=0.9"):
+        opt = keras_ema_opt.Adam(use_ema=True, ema_momentum=0.5,
+                                 averaging=keras_ema_opt.EMA(0.9))
+    assert opt.averaging == keras_ema_opt.EMA(0.9)
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        # The same EMA, and the default momentum (a config's): no warning.
+        keras_ema_opt.Adam(ema_momentum=0.9, averaging=keras_ema_opt.EMA(0.9))
+        swa = keras_ema_opt.Adam(averaging=keras_ema_opt.SWA())
+        keras_ema_opt.Adam.from_config(swa.get_config())
+    assert not [w for w in caught if "is not used" in str(w.message)]
 
 
 def test_averaged_refuses_a_built_optimizer():
