@@ -186,12 +186,13 @@ def _take_lr_alias(arguments, cls_name):
         return
     lr = arguments.pop("lr")
     if "learning_rate" in arguments:
-        raise InvalidArgumentError(
-            f"{cls_name} received both `lr={lr!r}` and "
-            f"`learning_rate={arguments['learning_rate']!r}`. `lr` is the "
-            "deprecated Keras 2 name of `learning_rate`: pass only "
-            "`learning_rate`."
-        )
+        # tf_keras' optimizer takes both and uses `learning_rate`.
+        warnings.warn(
+            f"{cls_name}: `lr={lr!r}` is not used: `learning_rate="
+            f"{arguments['learning_rate']!r}` is given too (`lr` is the "
+            "deprecated Keras 2 name of `learning_rate`).",
+            DeprecationWarning, stacklevel=4)
+        return
     warnings.warn(
         "`lr` is deprecated, please use `learning_rate` instead. "
         f"Received: lr={lr!r}.",
@@ -455,12 +456,43 @@ class Optimizer(backend.OptimizerHooks, keras.optimizers.Optimizer):
             return
 
         def update_step(self, gradient, variable, learning_rate=None):
-            del learning_rate  # Keras 2 steps read self.learning_rate
-            return step(self, gradient, variable)
+            # Keras 2 steps read self.learning_rate; a `super()` call of
+            # theirs reads the rate Keras passed from here.
+            self.__dict__["_keras2_step_rate"] = learning_rate
+            try:
+                return step(self, gradient, variable)
+            finally:
+                self.__dict__.pop("_keras2_step_rate", None)
 
         update_step.__doc__ = step.__doc__
         update_step.__wrapped__ = step
         cls.update_step = update_step
+        # `super().update_step(gradient, variable)` in that step, as Keras
+        # 2's base took: the parent's update_step takes the learning rate
+        # too, so a class of the parent's, between the two, passes it on.
+        parent = cls.__mro__[1]
+        if _takes_two_arguments(getattr(parent, "update_step")) or (
+                parent.__dict__.get("_keras2_rate_bridge")):
+            return
+
+        def bridged(self, gradient, variable, learning_rate=None):
+            if learning_rate is None:
+                learning_rate = self.__dict__.get("_keras2_step_rate")
+            if learning_rate is None:
+                learning_rate = self._get_current_learning_rate()
+            return parent.update_step(self, gradient, variable,
+                                      learning_rate)
+
+        bridge = type(parent.__name__, (parent,), {
+            "update_step": bridged, "_keras2_rate_bridge": True,
+            "__module__": parent.__module__,
+            "__qualname__": parent.__qualname__,
+            "__doc__": parent.__doc__})
+        try:
+            cls.__bases__ = tuple(bridge if base is parent else base
+                                  for base in cls.__bases__)
+        except TypeError:  # a layout the bases cannot change to: as before
+            pass
 
     def _construct(self, keras_init, arguments, signature):
         """Validate ``arguments`` as Keras 2 does, then run ``keras_init``.

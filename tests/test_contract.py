@@ -100,8 +100,15 @@ def test_lr_is_the_deprecated_spelling_of_learning_rate():
     with pytest.warns(DeprecationWarning, match="`lr` is deprecated"):
         opt = keras_ema_opt.SGD(lr=0.25)
     assert float(to_numpy(opt.learning_rate)) == 0.25
-    with pytest.raises(InvalidArgumentError, match="both `lr=0.1`"):
-        keras_ema_opt.SGD(lr=0.1, learning_rate=0.2)
+    # Both: `learning_rate` is used, as tf_keras uses it, and a warning
+    # says `lr` is not.
+    with pytest.warns(DeprecationWarning, match=r"SGD: `lr=0.1` is not "
+                      r"used: `learning_rate=0.2` is given too"):
+        opt = keras_ema_opt.SGD(lr=0.1, learning_rate=0.2)
+    assert float(to_numpy(opt.learning_rate)) == pytest.approx(0.2)
+    theirs = pytest.importorskip("tf_keras").optimizers.SGD(
+        lr=0.1, learning_rate=0.2)
+    assert float(theirs.learning_rate.numpy()) == pytest.approx(0.2)
 
 
 def test_is_legacy_optimizer_is_dropped():

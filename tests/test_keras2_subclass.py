@@ -96,3 +96,39 @@ def test_name_given_twice_is_refused():
     with pytest.raises(ValueError, match="received a name twice"):
         Named("a", name="b")
     assert Named("first").name == "first"
+
+
+@pytest.mark.parametrize("name", ["Adam", "SGD", "RMSprop"])
+def test_keras2_subclass_calling_its_parents_two_argument_step(name):
+    # Keras 2's idiom `super().update_step(gradient, variable)` in a
+    # subclass of a named optimizer: Keras 3's step takes the learning rate
+    # too (it raised TypeError on TensorFlow and JAX). Oracle: the same
+    # subclass of tf_keras' optimizer, with a schedule read at each step.
+    def subclass(base):
+        class Doubled(base):
+            def update_step(self, gradient, variable):
+                return super().update_step(gradient * 2, variable)
+        return Doubled
+
+    def schedule(module):
+        return module.optimizers.schedules.ExponentialDecay(0.1, 1, 0.5)
+
+    init = np.array([[1.0, -2.0], [0.5, 3.0]], "float32")
+    ours_v, theirs_v = keras.Variable(init), tf.Variable(init)
+    ours = subclass(getattr(keras_ema_opt, name))(
+        learning_rate=schedule(keras), use_ema=True, ema_momentum=0.9)
+    theirs = subclass(getattr(tf_keras.optimizers, name))(
+        learning_rate=schedule(tf_keras), use_ema=True, ema_momentum=0.9,
+        jit_compile=False)
+    rng = np.random.default_rng(1)
+    for _ in range(4):
+        g = rng.normal(size=init.shape).astype("float32")
+        ours.apply_gradients([(keras.ops.convert_to_tensor(g), ours_v)])
+        theirs.apply_gradients([(tf.constant(g), theirs_v)])
+    np.testing.assert_allclose(to_numpy(ours_v), theirs_v.numpy(),
+                               rtol=1e-6, atol=1e-7)
+    np.testing.assert_allclose(
+        to_numpy(ours.average_of(ours_v)),
+        theirs._model_variables_moving_average[0].numpy(), rtol=1e-6,
+        atol=1e-7)
+    assert isinstance(ours, getattr(keras_ema_opt, name))

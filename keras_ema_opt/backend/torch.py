@@ -45,15 +45,33 @@ def keras_optimizer_class(name):
     except ImportError:  # pragma: no cover - older or newer Keras layouts
         return _common.keras_optimizer_class(name)
     cls = getattr(module, name, None) or _common.keras_optimizer_class(name)
-    fused = _FUSED.get(name)
-    if fused is not None and hasattr(cls, "_parallel_update_step"):
-        return _with_fused_step(fused, cls)
-    return cls
+    if not hasattr(cls, "_parallel_update_step"):
+        return cls
+    return _with_fused_step(_FUSED.get(name), cls)
 
 
 @functools.lru_cache(maxsize=None)  # one class per rule: identity holds
 def _with_fused_step(fused, cls):
-    return type(cls.__name__, (fused, cls), {"__module__": cls.__module__})
+    bases = (_SubclassStep,) + ((fused,) if fused is not None else ()) + (
+        cls,)
+    return type(cls.__name__, bases, {"__module__": cls.__module__,
+                                      "_keras_rule": cls})
+
+
+class _SubclassStep:
+    """A subclass's own ``update_step`` runs, variable by variable: Keras'
+    PyTorch optimizers step all the variables at once in
+    ``_parallel_update_step`` (``torch._foreach_*``), which never calls
+    ``update_step``, so a Keras 2 subclass overriding it (``def
+    update_step(self, gradient, variable)``) was ignored."""
+
+    def _parallel_update_step(self, grads, variables, learning_rate):
+        if type(self).update_step is not self._keras_rule.update_step:
+            for grad, variable in zip(grads, variables):
+                self.update_step(grad, variable, learning_rate)
+            return None
+        return super()._parallel_update_step(grads, variables,
+                                             learning_rate)
 
 
 class _FusedAdamStep:
