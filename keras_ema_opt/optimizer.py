@@ -180,6 +180,11 @@ def _validate_clipping(clipnorm, global_clipnorm):
         )
 
 
+# The base class's default learning rate, told by identity from a 0.001
+# passed in (`lr=` alone is a rate given; beside `learning_rate=`, unused).
+_DEFAULT_LEARNING_RATE = float("0.001")
+
+
 def _take_lr_alias(arguments, cls_name):
     """Keras 2's ``lr=`` spelling of ``learning_rate``, with a warning."""
     if "lr" not in arguments:
@@ -385,7 +390,7 @@ class Optimizer(backend.OptimizerHooks, keras.optimizers.Optimizer):
 
     def __init__(
         self,
-        learning_rate=0.001,
+        learning_rate=_DEFAULT_LEARNING_RATE,
         weight_decay=None,
         clipnorm=None,
         clipvalue=None,
@@ -410,7 +415,7 @@ class Optimizer(backend.OptimizerHooks, keras.optimizers.Optimizer):
                     f"{learning_rate!r} as the first argument (Keras 2's "
                     f"order) and name={name!r}. Pass it once."
                 )
-            learning_rate, name = 0.001, learning_rate
+            learning_rate, name = _DEFAULT_LEARNING_RATE, learning_rate
             if isinstance(loss_scale_factor, bool):
                 # Keras 2's ninth positional argument is `jit_compile`
                 # (`super().__init__(name, weight_decay, ..., jit_compile)`,
@@ -432,6 +437,9 @@ class Optimizer(backend.OptimizerHooks, keras.optimizers.Optimizer):
             jit_compile=jit_compile,
             **kwargs,
         )
+        if "lr" in kwargs and learning_rate is _DEFAULT_LEARNING_RATE:
+            # Keras 2's `lr=` alone: the default is no learning rate given.
+            del arguments["learning_rate"]
         self._construct(
             keras.optimizers.Optimizer.__init__,
             arguments,
@@ -470,8 +478,10 @@ class Optimizer(backend.OptimizerHooks, keras.optimizers.Optimizer):
         # `super().update_step(gradient, variable)` in that step, as Keras
         # 2's base took: the parent's update_step takes the learning rate
         # too, so a class of the parent's, between the two, passes it on.
-        parent = cls.__mro__[1]
-        if _takes_two_arguments(getattr(parent, "update_step")) or (
+        parent = next((base for base in cls.__bases__
+                       if issubclass(base, BaseOptimizer)), None)
+        own = getattr(parent, "update_step", None)
+        if own is None or _takes_two_arguments(own) or (
                 parent.__dict__.get("_keras2_rate_bridge")):
             return
 
@@ -480,8 +490,9 @@ class Optimizer(backend.OptimizerHooks, keras.optimizers.Optimizer):
                 learning_rate = self.__dict__.get("_keras2_step_rate")
             if learning_rate is None:
                 learning_rate = self._get_current_learning_rate()
-            return parent.update_step(self, gradient, variable,
-                                      learning_rate)
+            # On along the instance's MRO (a diamond's other branch first).
+            return super(bridge, self).update_step(gradient, variable,
+                                                   learning_rate)
 
         bridge = type(parent.__name__, (parent,), {
             "update_step": bridged, "_keras2_rate_bridge": True,
@@ -534,9 +545,9 @@ class Optimizer(backend.OptimizerHooks, keras.optimizers.Optimizer):
         averaging = _resolve_averaging(
             averaging, value("use_ema"), value("ema_momentum")
         )
-        if not follows and arguments.get("ema_momentum", defaults.get(
-                "ema_momentum")) != defaults.get("ema_momentum") and (
-                averaging != EMA(value("ema_momentum"))):
+        if not follows and value("use_ema") is True and arguments.get(
+                "ema_momentum", defaults.get("ema_momentum")) != defaults.get(
+                "ema_momentum") and averaging != EMA(value("ema_momentum")):
             warnings.warn(
                 f"{cls_name}: ema_momentum={value('ema_momentum')} is not "
                 f"used: the averages follow averaging={averaging!r}.",
@@ -552,7 +563,19 @@ class Optimizer(backend.OptimizerHooks, keras.optimizers.Optimizer):
         if "learning_rate" in arguments:
             arguments["learning_rate"] = _learning_rate(
                 arguments["learning_rate"])
-        keras_init(self, **arguments)
+        try:
+            keras_init(self, **arguments)
+        except TypeError as e:
+            twice = re.search(r"got multiple values for keyword argument "
+                              r"'(\w+)'", str(e))
+            if twice is None or isinstance(e, UnknownArgumentError):
+                raise
+            # A subclass whose __init__ sets one of its parent's arguments
+            # itself, which its **kwargs would carry too.
+            raise UnknownArgumentError(
+                f"{cls_name} does not accept the argument(s) "
+                f"{{{twice.group(1)!r}: {arguments.get(twice.group(1))!r}}}"
+                f": its __init__ sets it itself ({e}).") from e
         # Keras 3 refuses clipnorm with clipvalue; Keras 2 let clipnorm win.
         for key, clip in clipping.items():
             setattr(self, key, clip)

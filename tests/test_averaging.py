@@ -755,6 +755,20 @@ def test_averaged_takes_a_subclass_passing_keras_arguments_on(cls):
         keras_ema_opt.contract_class(cls)(bogus=1)
 
 
+def test_averaged_names_an_argument_a_subclass_sets_itself():
+    # Its config carries what its __init__ sets itself (and so does not
+    # round-trip in Keras either): a typed error naming the argument, not
+    # Python's "multiple values".
+    class FixedBeta(keras.optimizers.Adam):
+        def __init__(self, **kwargs):
+            super().__init__(beta_1=0.5, **kwargs)
+
+    with pytest.raises(keras_ema_opt.errors.UnknownArgumentError,
+                       match=r"FixedBeta does not accept the argument\(s\) "
+                       r"\{'beta_1': 0.5\}: its __init__ sets it itself"):
+        keras_ema_opt.averaged(FixedBeta(), keras_ema_opt.EMA(0.9))
+
+
 def _multi_optimizer():
     multi = getattr(keras.optimizers, "MultiOptimizer", None)
     if multi is None:
@@ -802,6 +816,9 @@ def test_ema_momentum_beside_another_averaging_warns():
         keras_ema_opt.Adam(ema_momentum=0.9, averaging=keras_ema_opt.EMA(0.9))
         swa = keras_ema_opt.Adam(averaging=keras_ema_opt.SWA())
         keras_ema_opt.Adam.from_config(swa.get_config())
+        # A momentum without `use_ema=True`, which averaged nothing.
+        keras_ema_opt.averaged(keras.optimizers.Adam(ema_momentum=0.5),
+                               keras_ema_opt.EMA(0.9))
     assert not [w for w in caught if "is not used" in str(w.message)]
 
 

@@ -110,6 +110,16 @@ def test_lr_is_the_deprecated_spelling_of_learning_rate():
         lr=0.1, learning_rate=0.2)
     assert float(theirs.learning_rate.numpy()) == pytest.approx(0.2)
 
+    # `lr=` alone to a subclass of the base class, whose `learning_rate`
+    # has a default: the rate given.
+    class Plain(keras_ema_opt.Optimizer):
+        def update_step(self, gradient, variable, learning_rate):
+            variable.assign_sub(learning_rate * gradient)
+
+    with pytest.warns(DeprecationWarning, match="`lr` is deprecated"):
+        plain = Plain(lr=0.5)
+    assert float(to_numpy(plain.learning_rate)) == 0.5
+
 
 def test_is_legacy_optimizer_is_dropped():
     opt = keras_ema_opt.Adam(learning_rate=0.1, is_legacy_optimizer=False)

@@ -132,3 +132,41 @@ def test_keras2_subclass_calling_its_parents_two_argument_step(name):
         theirs._model_variables_moving_average[0].numpy(), rtol=1e-6,
         atol=1e-7)
     assert isinstance(ours, getattr(keras_ema_opt, name))
+
+
+def _one_step(optimizer):
+    v = keras.Variable(np.ones(2, "float32"))
+    optimizer.apply_gradients([(keras.ops.ones(2), v)])
+    return to_numpy(v)
+
+
+def test_keras2_subclasses_of_subclasses_and_mixins():
+    # The rate reaches each class along the instance's MRO: both branches
+    # of a diamond run (gradient x2 x3), a mixin before the optimizer
+    # base is no optimizer, and a step that never calls its parent's.
+    class Twice(keras_ema_opt.SGD):
+        def update_step(self, gradient, variable):
+            return super().update_step(gradient * 2, variable)
+
+    class Thrice(keras_ema_opt.SGD):
+        def update_step(self, gradient, variable):
+            return super().update_step(gradient * 3, variable)
+
+    class Both(Twice, Thrice):
+        pass
+
+    class Mixin:
+        extra = 1
+
+    class Own(Mixin, keras_ema_opt.Optimizer):
+        def update_step(self, gradient, variable):
+            variable.assign_sub(self.learning_rate * gradient)
+
+    class Logged(Mixin, keras_ema_opt.SGD):
+        def update_step(self, gradient, variable):
+            return super().update_step(gradient * 2, variable)
+
+    for optimizer, step in ((Both(0.1), 0.6), (Own(learning_rate=0.1), 0.1),
+                            (Logged(0.1), 0.2)):
+        np.testing.assert_allclose(_one_step(optimizer), 1.0 - step,
+                                   rtol=1e-6)
