@@ -1490,7 +1490,7 @@ def _takes_two_arguments(fn):
     ) == 3
 
 
-def _accepted_arguments(signature, cls=None, init=None):
+def _accepted_arguments(signature, cls, init):
     """The arguments ``signature`` accepts, and, where it takes ``**kwargs``
     (of any name), those of the ``__init__`` it passes them on to: the next
     classes' up ``cls``'s MRO from the one that defines ``init`` (a user's
@@ -1509,10 +1509,10 @@ def _accepted_arguments(signature, cls=None, init=None):
     if forwards(params):
         # `**kwargs` reach Keras' base class at least.
         names |= set(_BASE_ARGUMENTS)
-        mro = list(cls.__mro__) if cls is not None else []
-        owners = [i for i, c in enumerate(mro)
-                  if c.__dict__.get("__init__") is init]
-        for parent in mro[owners[0] + 1:] if owners else ():
+        mro = cls.__mro__
+        owner = next((i for i, c in enumerate(mro)
+                      if c.__dict__.get("__init__") is init), len(mro))
+        for parent in mro[owner + 1:]:
             own = parent.__dict__.get("__init__")
             if own is None or parent is BaseOptimizer or not issubclass(
                     parent, BaseOptimizer):

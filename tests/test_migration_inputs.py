@@ -326,13 +326,13 @@ def test_cli_holds_back_tensorflow_start_up_notes(tmp_path):
     notes = [line for line in err if re.match(r"I\d{4} |WARNING: All log "
                                               r"messages before absl", line)]
     assert not notes, "\n".join(err)
-    from keras_ema_opt.cli import _STARTUP_NOTE
+    from keras_ema_opt.backend._tf_startup import STARTUP_NOTE
 
     for line in ("E0000 00:00:1796.5   22679 cuda_platform.cc:52] failed "
                  "call to cuInit: INTERNAL", "W0000 00:00:17.4  7 "
                  "tf_trt.cc:3] TF-TRT Warning: Could not find TensorRT",
                  "UserWarning: something", "keras-ema-opt migrate: done"):
-        assert not _STARTUP_NOTE.match(line), line
+        assert not STARTUP_NOTE.match(line), line
 
 
 def test_cli_shows_what_a_failing_tensorflow_import_writes(tmp_path):

@@ -14,6 +14,7 @@ JAX's stateless steps carry them):
   ``|s| <= 1``, holds the zero-started one and reads ``a / c``).
 """
 
+import collections
 import contextlib
 import warnings
 
@@ -579,7 +580,8 @@ def assign_by_path(model, weights):
     paths = [v.path for v in variables]
     names = posthoc.align_paths(weights, paths,
                                 model_name=getattr(model, "name", None) or "")
-    repeated = sorted(path for path in by_path if paths.count(path) > 1)
+    repeated = sorted(path for path, n in collections.Counter(paths).items()
+                      if n > 1)
     if repeated and (names is None or set(names.values()) & set(repeated)):
         # A loaded model names the layers of two containers alike
         # (`enc/d/kernel` and `dec/d/kernel` both load as `d/kernel`).

@@ -47,11 +47,11 @@ def keras_optimizer_class(name):
     cls = getattr(module, name, None) or _common.keras_optimizer_class(name)
     if not hasattr(cls, "_parallel_update_step"):
         return cls
-    return _with_fused_step(_FUSED.get(name), cls)
+    return _with_own_steps(_FUSED.get(name), cls)
 
 
 @functools.lru_cache(maxsize=None)  # one class per rule: identity holds
-def _with_fused_step(fused, cls):
+def _with_own_steps(fused, cls):
     bases = (_SubclassStep,) + ((fused,) if fused is not None else ()) + (
         cls,)
     return type(cls.__name__, bases, {"__module__": cls.__module__,
