@@ -31,6 +31,7 @@ from keras_ema_opt.averaging import EMA
 from keras_ema_opt.averaging import PowerEMA
 from keras_ema_opt.averaging import SWA
 from keras_ema_opt.averaging import Averaging
+from keras_ema_opt.averaging import update_bn
 from keras_ema_opt.optimizer import Optimizer
 from keras_ema_opt.optimizers import SGD
 from keras_ema_opt.optimizers import AveragedLossScaleOptimizer
@@ -60,6 +61,7 @@ __all__ = [
     "PowerEMA",
     "SWA",
     "Averaging",
+    "update_bn",
     "AveragedLossScaleOptimizer",
     "averaged",
     "contract_class",

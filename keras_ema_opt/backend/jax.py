@@ -24,6 +24,7 @@ sync_initial_state = _common.sync_initial_state
 on_create = _common.on_create
 build_scope = _common.build_scope
 lerp_averages = _common.lerp_averages
+no_gradients = _common.no_gradients
 
 
 class OptimizerHooks:

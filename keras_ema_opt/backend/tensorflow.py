@@ -18,6 +18,7 @@ sync_training_state = _common.sync_training_state
 # tf.distribute creates mirrored variables with the same initial values.
 step_gradients = _common.step_gradients
 mark_step_made = _common.mark_step_made
+no_gradients = _common.no_gradients
 sync_initial_state = _common.sync_initial_state
 chief_only_scope = _common.chief_only_scope
 _tf_variable = _tf_cpu.tf_variable

@@ -18,6 +18,11 @@ prepare_model = _common.prepare_model
 prepare_gradients = _common.prepare_gradients
 sync_training_state = _common.sync_training_state
 
+
+def no_gradients():
+    """A context for forward passes no gradient is taken of: no autograd."""
+    return torch.no_grad()
+
 # Keras builds these multi-tensor (`torch._foreach_*`) classes when
 # `keras.optimizers.<Name>()` is called on PyTorch; reusing them keeps our
 # optimizers bit-identical to Keras' and as fast.

@@ -1,0 +1,221 @@
+"""Recompute BatchNormalization statistics for averaged weights.
+
+The moving mean and variance a ``BatchNormalization`` layer keeps during
+training belong to the raw weights of each moment. An average of the
+weights (SWA, EMA) has statistics of its own, which one pass over training
+data measures: SWA's "recompute the BatchNorm statistics" step (Izmailov et
+al., 2018, *Averaging Weights Leads to Wider Optima and Better
+Generalization*, section 3.2), which PyTorch ships as
+``torch.optim.swa_utils.update_bn``.
+"""
+
+import itertools
+import warnings
+
+import keras
+import numpy as np
+
+from keras_ema_opt import backend
+from keras_ema_opt.errors import InvalidArgumentError
+
+
+def update_bn(model, x, batch_size=None, steps=None):
+    """Sets every BatchNormalization layer's statistics to their data average.
+
+    Runs ``model`` in training mode over ``x`` and gives each trainable
+    ``keras.layers.BatchNormalization`` layer, nested ones included, the
+    mean of the batch statistics it computes there, each batch weighted by
+    its number of samples:
+
+    ``moving_mean = sum_b n_b mean_b / sum_b n_b``,
+    ``moving_variance = sum_b n_b var_b / sum_b n_b``,
+
+    with ``mean_b`` and ``var_b`` what the layer normalizes batch ``b`` by
+    (Keras' biased variance), accumulated in float64. With batches of one
+    size this is ``torch.optim.swa_utils.update_bn`` (whose variances are
+    unbiased: Keras' times ``n / (n - 1)``). Use it after the averages are
+    in the model (``fit()`` ends on them, or inside
+    ``optimizer.swap_average(model)``), since BatchNorm statistics measured
+    under the raw weights do not fit the averaged ones.
+
+    Nothing else changes: the layers' ``momentum``, the weights, and every
+    other variable of the model (dropout's random seeds, renormalization
+    statistics) are as before. Layers with ``trainable=False`` run in
+    inference mode in Keras and keep their statistics (a warning names
+    them). If reading the data or the forward pass fails, the statistics
+    are restored bit for bit before the error propagates.
+
+    Inside ``swap_average`` the recomputed statistics are swapped back out
+    with the averages only when the averaging has
+    ``include_non_trainable=True``; otherwise they stay in the model.
+
+    Reference: Izmailov et al., 2018, "Averaging Weights Leads to Wider
+    Optima and Better Generalization", https://arxiv.org/abs/1803.05407.
+
+    Args:
+        model: a built ``keras.Model`` (or layer).
+        x: the inputs, as ``model.fit`` takes them: arrays (or a dict or list
+            of them), a ``tf.data.Dataset``, a ``keras.utils.PyDataset``, a
+            ``torch.utils.data.DataLoader`` or a generator. Batches may be
+            ``(x,)``, ``(x, y)`` or ``(x, y, sample_weight)``; only ``x`` is
+            used.
+        batch_size: the batch size for arrays (default 32).
+        steps: at most this many batches (default: all of ``x``; a
+            generator that never ends needs it).
+
+    Returns:
+        The number of samples seen.
+
+    Raises:
+        InvalidArgumentError: ``steps`` or ``batch_size`` is not a positive
+            integer, or ``x`` yields no batch.
+
+    Example:
+
+    ```python
+    import keras
+    import numpy as np
+    import keras_ema_opt
+
+    x = np.random.rand(64, 4).astype("float32")
+    y = x.sum(axis=1, keepdims=True)
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(8),
+                              keras.layers.BatchNormalization(),
+                              keras.layers.Dense(1)])
+    model.compile(optimizer=keras_ema_opt.SGD(
+        0.01, averaging=keras_ema_opt.SWA(start_step=2)), loss="mse")
+    model.fit(x, y, batch_size=16, epochs=2, verbose=0)  # ends on the SWA
+    keras_ema_opt.update_bn(model, x, batch_size=16)
+    ```
+    """
+    _check_count("steps", steps)
+    _check_count("batch_size", batch_size)
+    layers = _trainable_batch_norms(model)
+    if not layers:
+        return 0
+    recomputed = _statistics(layers)
+    ids = {id(v) for v in recomputed}
+    others = [v for v in model.non_trainable_variables if id(v) not in ids]
+    before = [(v, backend.current_value(v)) for v in recomputed + others]
+    momenta = [layer.momentum for layer in layers]
+    try:
+        seen = _measure(model, layers, x, batch_size, steps)
+    except BaseException:
+        _assign_all(before)
+        raise
+    finally:
+        for layer, momentum in zip(layers, momenta):
+            layer.momentum = momentum
+    _assign_all(before[len(recomputed):])
+    return seen
+
+
+def _assign_all(pairs):
+    for variable, value in pairs:
+        variable.assign(value)
+
+
+def _check_count(name, value):
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise InvalidArgumentError(
+            f"`{name}` must be a positive integer or None. "
+            f"Received: {name}={value!r} (of type {type(value).__name__})."
+        )
+    if value < 1:
+        raise InvalidArgumentError(
+            f"`{name}` must be a positive integer or None. "
+            f"Received: {name}={value}."
+        )
+
+
+def _trainable_batch_norms(model):
+    found = [
+        layer
+        for layer in model._flatten_layers(include_self=True)
+        if isinstance(layer, keras.layers.BatchNormalization)
+    ]
+    frozen = [layer.name for layer in found if not layer.trainable]
+    if frozen:
+        warnings.warn(
+            "update_bn: these BatchNormalization layers have "
+            f"trainable=False and keep their statistics: {frozen}. Keras "
+            "runs a frozen BatchNormalization in inference mode; set "
+            "`trainable=True` on a layer to recompute its statistics.",
+            stacklevel=3,
+        )
+    return [layer for layer in found if layer.trainable]
+
+
+def _statistics(layers):
+    """The variables recomputed: moving mean and variance (and, with batch
+    renormalization, the moving standard deviation they come from)."""
+    found = []
+    for layer in layers:
+        found += [layer.moving_mean, layer.moving_variance]
+        if layer.renorm:
+            found.append(layer.moving_stddev)
+    return found
+
+
+def _measure(model, layers, x, batch_size, steps):
+    for layer in layers:
+        # With momentum 0 a training-mode call leaves the batch's own
+        # statistics in the moving ones; start from finite values, since
+        # 0 * nan is nan.
+        layer.momentum = 0.0
+        _fill(layer.moving_mean, 0.0)
+        _fill(layer.moving_variance, 1.0)
+        if layer.renorm:
+            _fill(layer.moving_stddev, 1.0)
+    moments = [v for layer in layers
+               for v in (layer.moving_mean, layer.moving_variance)]
+    sums = [np.zeros(v.shape, "float64") for v in moments]
+    seen = 0
+    for inputs in _batches(x, batch_size, steps):
+        count = int(keras.tree.flatten(inputs)[0].shape[0])
+        with backend.no_gradients():
+            model(inputs, training=True)
+        for total, variable in zip(sums, moments):
+            total += count * keras.ops.convert_to_numpy(
+                variable.value).astype("float64")
+        seen += count
+    if seen == 0:
+        raise InvalidArgumentError(
+            "update_bn: the data gave no samples. Received: "
+            f"x of type {type(x).__name__}"
+            + (f", steps={steps}" if steps is not None else "")
+            + ". Pass the training inputs as `model.fit` takes them."
+        )
+    for total, variable in zip(sums, moments):
+        variable.assign(keras.ops.cast(total / seen, variable.dtype))
+    for layer in layers:
+        if layer.renorm:
+            # What the layer's own update keeps: the variance is derived
+            # from this standard deviation at its next training step.
+            layer.moving_stddev.assign(keras.ops.sqrt(
+                keras.ops.add(layer.moving_variance, layer.epsilon)))
+    return seen
+
+
+def _fill(variable, value):
+    variable.assign(keras.ops.full(variable.shape, value, variable.dtype))
+
+
+def _batches(x, batch_size, steps):
+    """The inputs of each batch of ``x``, as numpy structures."""
+    from keras.src.trainers.data_adapters import get_data_adapter
+
+    adapter = get_data_adapter(x, batch_size=batch_size, shuffle=False)
+    begin = getattr(adapter, "on_epoch_begin", None)
+    if begin is not None:
+        begin()
+    try:
+        for data in itertools.islice(adapter.get_numpy_iterator(), steps):
+            inputs, _, _ = keras.utils.unpack_x_y_sample_weight(data)
+            yield inputs
+    finally:
+        end = getattr(adapter, "on_epoch_end", None)
+        if end is not None:
+            end()
