@@ -173,10 +173,10 @@ def _measure(model, layers, x, batch_size, steps):
                for v in (layer.moving_mean, layer.moving_variance)]
     sums = [np.zeros(v.shape, "float64") for v in moments]
     seen = 0
+    forward = backend.training_forward(model)
     for inputs in _batches(x, batch_size, steps):
         count = int(keras.tree.flatten(inputs)[0].shape[0])
-        with backend.no_gradients():
-            model(inputs, training=True)
+        forward(inputs)
         for total, variable in zip(sums, moments):
             total += count * keras.ops.convert_to_numpy(
                 variable.value).astype("float64")

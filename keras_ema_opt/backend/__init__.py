@@ -45,8 +45,10 @@ here. Each backend module provides the same set:
   which builds the optimizer on its first call, as Keras' ``fit()`` does
   without a strategy, is traced once and does not check every variable's
   initialization at each later call).
-- ``no_gradients()``: a context for forward passes no gradient is taken
-  of (PyTorch: ``torch.no_grad()``, so that no autograd graph is kept).
+- ``training_forward(model)``: a function running ``model(inputs,
+  training=True)`` for the updates it makes to the model's variables,
+  compiled where the backend allows (JAX: a jitted stateless call;
+  TensorFlow: a ``tf.function``; PyTorch: eagerly, without autograd).
 - ``lerp_averages(pairs, weight, gated)``: the averaging update
   ``a <- a + weight (x - a)`` for the ``(average, variable)`` pairs a fast
   path takes (PyTorch: ``torch._foreach_lerp_`` by device and dtype;
@@ -103,7 +105,7 @@ on_create = _impl.on_create
 chief_only_scope = _impl.chief_only_scope
 lerp_averages = _impl.lerp_averages
 build_scope = _impl.build_scope
-no_gradients = _impl.no_gradients
+training_forward = _impl.training_forward
 
 __all__ = [
     "NAME",
@@ -129,5 +131,5 @@ __all__ = [
     "chief_only_scope",
     "lerp_averages",
     "build_scope",
-    "no_gradients",
+    "training_forward",
 ]

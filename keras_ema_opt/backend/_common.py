@@ -18,11 +18,6 @@ def no_placement(variable):
     yield
 
 
-def no_gradients():
-    """A context for forward passes no gradient is taken of: as it is."""
-    return contextlib.nullcontext()
-
-
 def build_scope():
     """Where the optimizer state is created: here, as it is."""
     return contextlib.nullcontext()

@@ -24,7 +24,6 @@ sync_initial_state = _common.sync_initial_state
 on_create = _common.on_create
 build_scope = _common.build_scope
 lerp_averages = _common.lerp_averages
-no_gradients = _common.no_gradients
 
 
 class OptimizerHooks:
@@ -319,3 +318,24 @@ def chief_only_scope():
 def is_chief():
     """Process 0 of a multi-process JAX run (``jax.distributed``)."""
     return jax.process_index() == 0
+
+
+def training_forward(model):
+    """A function running ``model(inputs, training=True)`` compiled: Keras'
+    stateless call under ``jax.jit``, whose new non-trainable values (the
+    layers' updates) are then assigned to the model's variables."""
+    @jax.jit
+    def new_values(trainable, non_trainable, inputs):
+        _, values = model.stateless_call(
+            trainable, non_trainable, inputs, training=True)
+        return values
+
+    def run(inputs):
+        values = new_values(
+            [v.value for v in model.trainable_variables],
+            [v.value for v in model.non_trainable_variables],
+            inputs,
+        )
+        for variable, value in zip(model.non_trainable_variables, values):
+            variable.assign(value)
+    return run

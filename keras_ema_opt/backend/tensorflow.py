@@ -18,7 +18,6 @@ sync_training_state = _common.sync_training_state
 # tf.distribute creates mirrored variables with the same initial values.
 step_gradients = _common.step_gradients
 mark_step_made = _common.mark_step_made
-no_gradients = _common.no_gradients
 sync_initial_state = _common.sync_initial_state
 chief_only_scope = _common.chief_only_scope
 _tf_variable = _tf_cpu.tf_variable
@@ -333,3 +332,14 @@ def _fix_multi_worker_fit():
     cls._maybe_symbolic_build = _maybe_symbolic_build
     tf_trainer.reduce_per_replica = reduce_per_replica
     _FIXED.append(True)
+
+
+def training_forward(model):
+    """A function running ``model(inputs, training=True)`` as one graph
+    (traced once per input signature; its variable updates included)."""
+    graph = tf.function(lambda inputs: model(inputs, training=True),
+                        reduce_retracing=True)
+
+    def run(inputs):
+        graph(tf.nest.map_structure(tf.convert_to_tensor, inputs))
+    return run

@@ -19,9 +19,13 @@ prepare_gradients = _common.prepare_gradients
 sync_training_state = _common.sync_training_state
 
 
-def no_gradients():
-    """A context for forward passes no gradient is taken of: no autograd."""
-    return torch.no_grad()
+def training_forward(model):
+    """A function running ``model(inputs, training=True)`` without autograd
+    (no graph is kept for a pass no gradient is taken of)."""
+    def run(inputs):
+        with torch.no_grad():
+            model(inputs, training=True)
+    return run
 
 # Keras builds these multi-tensor (`torch._foreach_*`) classes when
 # `keras.optimizers.<Name>()` is called on PyTorch; reusing them keeps our
