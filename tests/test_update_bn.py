@@ -287,3 +287,12 @@ def test_update_bn_refuses_data_without_samples():
         keras_ema_opt.update_bn(model, empty)
     for v, value in zip(model.variables, before):
         np.testing.assert_array_equal(to_numpy(v), value)
+
+
+def test_update_bn_refuses_a_model_not_built():
+    model = keras.Sequential([keras.layers.Dense(2),
+                              keras.layers.BatchNormalization(name="bn")])
+    with pytest.raises(InvalidArgumentError, match=(
+            r"update_bn: the model's BatchNormalization layers \['bn'\] are "
+            r"not built, so they have no statistics yet\. Build the model")):
+        keras_ema_opt.update_bn(model, _x())

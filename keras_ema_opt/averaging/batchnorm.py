@@ -68,7 +68,7 @@ def update_bn(model, x, batch_size=None, steps=None):
 
     Raises:
         InvalidArgumentError: ``steps`` or ``batch_size`` is not a positive
-            integer, or ``x`` yields no batch.
+            integer, ``x`` yields no batch, or the model is not built.
 
     Example:
 
@@ -136,6 +136,13 @@ def _trainable_batch_norms(model):
         for layer in model._flatten_layers(include_self=True)
         if isinstance(layer, keras.layers.BatchNormalization)
     ]
+    unbuilt = [layer.name for layer in found if not layer.built]
+    if unbuilt:
+        raise InvalidArgumentError(
+            "update_bn: the model's BatchNormalization layers "
+            f"{unbuilt} are not built, so they have no statistics yet. "
+            "Build the model first (train it, or call it on a batch)."
+        )
     frozen = [layer.name for layer in found if not layer.trainable]
     if frozen:
         warnings.warn(
