@@ -206,8 +206,8 @@ def _load(path, custom_objects, safe_mode, model):
                 "`include_optimizer=False`): the Keras 3 model is not "
                 "compiled.", stacklevel=3)
             return model, record, mapping, placed
-        model.compile(optimizer=optimizer,
-                      **convert.compile_arguments(record, custom_objects))
+        _compile(model, optimizer,
+                 convert.compile_arguments(record, custom_objects))
     if record.optimizer is None:
         inner = getattr(model.optimizer, "inner_optimizer", model.optimizer)
         warnings.warn(
@@ -271,9 +271,22 @@ def _load_keras_zip(record, custom_objects, safe_mode, model):
     config = (record.training_config or {}).get("optimizer")
     optimizer = (configs.from_legacy_config(config, custom_objects)
                  if config else "rmsprop")
-    model.compile(optimizer=optimizer,
-                  **convert.compile_arguments(record, custom_objects))
+    _compile(model, optimizer,
+             convert.compile_arguments(record, custom_objects))
     return model
+
+
+def _compile(model, optimizer, arguments):
+    """``model.compile`` with ``jit_compile="auto"`` kept as such in its
+    compile config.
+
+    Keras stores the value ``"auto"`` resolves to on the backend at hand
+    (True on JAX), and a file written there would turn ``torch.compile`` on
+    when it is loaded on PyTorch. Keras 2 configs do not hold the choice, so
+    each backend makes its own, where the file is loaded.
+    """
+    model.compile(optimizer=optimizer, **arguments)
+    model._compile_config.config["jit_compile"] = "auto"
 
 
 def restore_checkpoint(model, path, optimizer=None):

@@ -76,15 +76,25 @@ def read(path):
 def _latest_checkpoint(directory):
     """The prefix named by a ``checkpoint`` state file, or the only one."""
     state = os.path.join(directory, "checkpoint")
+    match = None
     if os.path.isfile(state):
         with open(state, encoding="utf-8", errors="replace") as f:
             match = re.search(r'model_checkpoint_path:\s*"([^"]+)"', f.read())
-        if match:
-            prefix = match.group(1)
-            if not os.path.isabs(prefix):
-                prefix = os.path.join(directory, prefix)
-            return prefix
     indexes = sorted(n for n in os.listdir(directory) if n.endswith(".index"))
+    if match:
+        prefix = match.group(1)
+        if not os.path.isabs(prefix):
+            prefix = os.path.join(directory, prefix)
+        if not os.path.isfile(prefix + ".index"):
+            present = [n[: -len(".index")] for n in indexes]
+            raise LegacyFormatError(
+                f"{state} names the checkpoint {match.group(1)!r} as the "
+                f"latest, but {prefix}.index does not exist (deleted, or "
+                f"the folder was copied in part). Checkpoints in the "
+                f"folder: {present or 'none'}; pass the prefix of one "
+                f"(e.g. {os.path.join(directory, '<name>')}) to migrate "
+                "it.", path=state)
+        return prefix
     if len(indexes) == 1:
         return os.path.join(directory, indexes[0][: -len(".index")])
     return None
@@ -698,11 +708,20 @@ def read_keras_zip(path):
         optimizer, dict) else str(optimizer)
     ema = isinstance(optimizer, dict) and (
         optimizer.get("config") or {}).get("use_ema")
+    if dropped:
+        kept = (
+            f"it keeps the {name} optimizer's {dropped} variables "
+            f"(iterations, learning rate, slots"
+            f"{', EMA averages' if ema else ''}) by position only, with no "
+            "names to place them by")
+    else:
+        kept = (
+            f"it holds none of the {name} optimizer's variables (tf_keras "
+            "writes none for a legacy optimizer, or for one that has not "
+            "taken a step)")
     record.warnings.append(
         f"{path}: the optimizer state is not migrated from a tf_keras "
-        f".keras file: it keeps the {name} optimizer's {dropped} variables "
-        f"(iterations, learning rate, slots{', EMA averages' if ema else ''}"
-        ") by position only, with no names to place them by. The model is "
+        f".keras file: {kept}. The model is "
         f"compiled with a fresh {name} from its config; to resume training "
         "exactly, migrate the SavedModel, h5 or a checkpoint of the same "
         "model.")
