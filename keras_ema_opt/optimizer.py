@@ -1291,10 +1291,13 @@ class Optimizer(backend.OptimizerHooks, keras.optimizers.Optimizer):
         ``averaging=...(finalize=False)`` the raw weights stay (defect L6):
         use ``swap_average`` or ``assign_averages`` to read the averages.
         Swaps still open (a ``SwapAverage`` callback holding averages at the
-        end of an epoch) are settled first.
+        end of an epoch) are settled first. A ``fit()`` that ends in an
+        exception leaves the raw weights, on every backend.
         """
         averager = self._averager
-        if averager is None:
+        if averager is None or backend.fit_failed():
+            # A fit() ending in an exception keeps its raw weights, on
+            # every backend, and its error.
             return
         keep = self.averaging.finalize
         averager.settle_swaps(keep_averages=keep,

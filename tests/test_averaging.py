@@ -11,6 +11,7 @@ import pytest
 from conftest import to_numpy
 
 import keras_ema_opt
+from keras_ema_opt import backend
 from keras_ema_opt.callbacks import AveragedCheckpoint
 from keras_ema_opt.callbacks import SwapAverage
 from keras_ema_opt.errors import InvalidArgumentError
@@ -1058,3 +1059,54 @@ def test_ema_every_k_steps_keeps_the_per_step_warm_up(warmup, every):
     got = _weight_of_update(averaging, n * every, n - 1)
     np.testing.assert_allclose(got, -np.expm1(every * np.log(d)),
                                rtol=1e-5)
+
+
+class _InterruptAtStep3(keras.callbacks.Callback):
+    """Raises after the third step, noting the raw kernel there."""
+
+    def on_train_batch_end(self, batch, logs=None):
+        if batch == 2:
+            backend.sync_training_state(self.model)
+            self.raw = to_numpy(self.model.layers[0].kernel).copy()
+            raise KeyboardInterrupt
+
+
+def test_fit_ending_in_an_exception_keeps_the_raw_weights():
+    """Keras' JAX fit() calls finalize_variable_values in a `finally`; a fit
+    that fails keeps its raw weights there too, as on the other backends."""
+    x, y = _data()
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+    optimizer = keras_ema_opt.SGD(0.5, averaging=keras_ema_opt.EMA(0.9))
+    model.compile(optimizer=optimizer, loss="mse")
+    interrupt = _InterruptAtStep3()
+    with pytest.raises(KeyboardInterrupt):
+        model.fit(x, y, batch_size=4, epochs=1, verbose=0,
+                  callbacks=[interrupt])
+    kernel = model.layers[0].kernel
+    np.testing.assert_array_equal(to_numpy(kernel), interrupt.raw)
+    assert not np.array_equal(to_numpy(optimizer.average_of(kernel)),
+                              interrupt.raw)
+    model.fit(x, y, batch_size=4, epochs=1, verbose=0)  # and it goes on
+    np.testing.assert_array_equal(to_numpy(kernel),
+                                  to_numpy(optimizer.average_of(kernel)))
+
+
+@pytest.mark.parametrize("make", [
+    lambda: keras_ema_opt.Adam(averaging=keras_ema_opt.EMA(0.9)),
+    lambda: keras_ema_opt.Adam(use_ema=True),
+    lambda: keras_ema_opt.averaged(keras.optimizers.Adam(),
+                                   keras_ema_opt.SWA()),
+], ids=["averaging", "use_ema", "averaged"])
+def test_an_error_in_the_first_step_of_a_fit_is_not_replaced(make):
+    x, y = _data()
+    model = keras.Sequential([keras.Input((4,)),
+                              keras.layers.Dense(4, name="d1"),
+                              keras.layers.Dense(1)])
+    model.compile(optimizer=make(), loss="mse")
+    model.fit(x, y, batch_size=8, epochs=1, verbose=0)
+    wider = np.random.RandomState(2).rand(len(x), 5).astype("float32")
+    # Keras' own error (TensorFlow's kernel says "size-incompatible"), not
+    # JAX's "'NoneType' object is not callable" from a read in `finally`
+    with pytest.raises(Exception, match="incompatible") as caught:
+        model.fit(wider, y, batch_size=8, epochs=1, verbose=0)
+    assert not isinstance(caught.value, TypeError)

@@ -45,6 +45,9 @@ here. Each backend module provides the same set:
   which builds the optimizer on its first call, as Keras' ``fit()`` does
   without a strategy, is traced once and does not check every variable's
   initialization at each later call).
+- ``fit_failed()``: whether ``finalize_variable_values`` is being called
+  by a ``fit()`` ending in an exception (JAX's ``fit()`` calls it from a
+  ``finally`` block; the others only after their epochs).
 - ``training_forward(model)``: a function running ``model(inputs,
   training=True)`` for the updates it makes to the model's variables,
   compiled where the backend allows (JAX: a jitted stateless call;
@@ -106,6 +109,7 @@ chief_only_scope = _impl.chief_only_scope
 lerp_averages = _impl.lerp_averages
 build_scope = _impl.build_scope
 training_forward = _impl.training_forward
+fit_failed = _impl.fit_failed
 
 __all__ = [
     "NAME",
@@ -132,4 +136,5 @@ __all__ = [
     "lerp_averages",
     "build_scope",
     "training_forward",
+    "fit_failed",
 ]

@@ -110,6 +110,13 @@ def on_create(optimizer):
     del optimizer
 
 
+def fit_failed():
+    """Whether ``finalize_variable_values`` is being called by a ``fit()``
+    that is ending in an exception: never here (Keras' ``fit()`` calls it
+    only once its epochs are done)."""
+    return False
+
+
 def chief_only_scope():
     """A context for work the chief does alone (nothing to arrange)."""
     return contextlib.nullcontext()

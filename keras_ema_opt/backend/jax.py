@@ -2,6 +2,7 @@
 
 import collections
 import contextlib
+import sys
 import weakref
 
 import jax
@@ -339,3 +340,22 @@ def training_forward(model):
         for variable, value in zip(model.non_trainable_variables, values):
             variable.assign(value)
     return run
+
+
+def fit_failed():
+    """Whether ``finalize_variable_values`` is being called by a ``fit()``
+    that is ending in an exception.
+
+    Keras' JAX ``fit()`` calls it from a ``finally`` block, after an error
+    too, where the other backends' ``fit()`` does not call it; after an
+    error in the first step it finds the variables emptied (their values
+    live in the step's state), and a read of one would replace the error.
+    Its local ``training_finished`` tells the two apart.
+    """
+    frame = sys._getframe(1)
+    while frame is not None and (
+            frame.f_code.co_name == "finalize_variable_values"):
+        frame = frame.f_back
+    return (frame is not None and frame.f_code.co_name == "fit"
+            and frame.f_locals.get("training_finished") is False
+            and sys.exc_info()[0] is not None)

@@ -14,6 +14,7 @@ value_visible = _common.value_visible
 attach_model = _common.attach_model
 prepare_model = _common.prepare_model
 sync_training_state = _common.sync_training_state
+fit_failed = _common.fit_failed
 # Keras' TensorFlow step all-reduces inside `_backend_update_step`, and
 # tf.distribute creates mirrored variables with the same initial values.
 step_gradients = _common.step_gradients

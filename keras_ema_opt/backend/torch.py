@@ -17,6 +17,7 @@ attach_model = _common.attach_model
 prepare_model = _common.prepare_model
 prepare_gradients = _common.prepare_gradients
 sync_training_state = _common.sync_training_state
+fit_failed = _common.fit_failed
 
 
 def training_forward(model):
