@@ -263,23 +263,20 @@ class PowerEMASnapshots(keras.callbacks.Callback):
         self._optimizer = optimizer
         inner = getattr(optimizer, "inner_optimizer", optimizer)
         self._accumulation = inner.gradient_accumulation_steps or 1
-        # Micro-steps (batches) taken before this fit() and at epoch start.
-        self._start = int(keras.ops.convert_to_numpy(inner._iterations))
-        self._micro = self._epoch_start = self._start
-        self._done = self._real_steps(self._start) // (
-            optimizer.averaging.snapshot_every)
 
     def _real_steps(self, micro_steps):
         return micro_steps // self._accumulation
 
     def on_epoch_begin(self, epoch, logs=None):
-        self._epoch_start = self._micro
-
-    def on_epoch_end(self, epoch, logs=None):
-        # The count itself (the variables are current at an epoch's end):
-        # batch numbers can run past it (below).
+        # The count itself (the variables are current between epochs), read
+        # here and not at on_train_begin: a BackupAndRestore listed after
+        # this callback restores the count in its own on_train_begin, and
+        # the snapshots must stay on the grid of `snapshot_every` steps.
         inner = getattr(self._optimizer, "inner_optimizer", self._optimizer)
-        self._micro = int(keras.ops.convert_to_numpy(inner._iterations))
+        self._micro = self._epoch_start = int(
+            keras.ops.convert_to_numpy(inner._iterations))
+        self._done = self._real_steps(self._micro) // (
+            self._optimizer.averaging.snapshot_every)
 
     def on_train_batch_end(self, batch, logs=None):
         # `batch` is the last step of the call (several under

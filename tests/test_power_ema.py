@@ -185,6 +185,42 @@ def test_snapshot_steps_with_steps_per_execution_and_loss_scaling(
     assert all(s % 4 < steps_per_execution for s in steps)
 
 
+def test_snapshot_steps_after_a_backup_listed_after_them_restores(tmp_path):
+    # BackupAndRestore listed after PowerEMASnapshots restores the step
+    # count in its on_train_begin, after the snapshots' own: the resumed run
+    # must stay on the grid of snapshot_every steps.
+    x = np.random.default_rng(0).normal(size=(32, 3)).astype("float32")
+    y = x.sum(axis=1, keepdims=True)
+    snapshots, backup = tmp_path / "snapshots", str(tmp_path / "backup")
+
+    def fit(*extra):
+        keras.utils.set_random_seed(0)
+        model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
+        model.compile(optimizer=keras_ema_opt.SGD(
+            0.05, averaging=keras_ema_opt.PowerEMA(
+                snapshot_every=3, snapshot_dir=snapshots)), loss="mse")
+        callback = PowerEMASnapshots()
+        model.fit(x, y, batch_size=4, epochs=3, shuffle=False, verbose=0,
+                  callbacks=[callback, keras.callbacks.BackupAndRestore(
+                      backup)] + list(extra))
+        return callback
+
+    class Preempt(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            if batch == 3 and self.epoch == 1:  # step 12; backup at 8
+                raise RuntimeError("preempted")
+
+        def on_epoch_begin(self, epoch, logs=None):
+            self.epoch = epoch
+
+    with pytest.raises(RuntimeError, match="preempted"):
+        fit(Preempt())
+    resumed = fit()
+    steps = [int(re.search(r"(\d+)\.npz$", str(p)).group(1))
+             for p in resumed.written]
+    assert steps == [9, 12, 15, 18, 21, 24]
+
+
 @only_on("jax", "tensorflow")  # Keras runs steps_per_execution=1 on torch
 def test_snapshot_steps_when_epochs_end_in_a_shorter_call(tmp_path):
     # 10 batches an epoch in calls of 3: each epoch ends with a call of 1,
