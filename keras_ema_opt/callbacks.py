@@ -12,6 +12,8 @@
 """
 
 import os
+import sys
+import warnings
 
 import keras
 
@@ -51,7 +53,15 @@ class SwapAverage(keras.callbacks.Callback):
     Args:
         swap_on_epoch: Also hold the averages in the model from the end of
             each epoch to the start of the next (put ``ModelCheckpoint`` or
-            ``EarlyStopping`` after this callback to act on them).
+            ``EarlyStopping`` after this callback to act on them, and
+            ``BackupAndRestore`` before it: listed after it, it is refused,
+            since it would back up the averages as the weights).
+
+    ``EarlyStopping(restore_best_weights=True)`` and
+    ``ModelCheckpoint(save_best_only=True)`` watching a ``val_`` metric
+    choose their epoch by what this callback measures on the averages: they
+    keep those averages only with ``swap_on_epoch=True`` and listed after
+    this callback; otherwise a warning says so when ``fit()`` begins.
         slot: Which average, for strategies keeping several (PowerEMA).
 
     A ``fit()``, ``evaluate()`` or ``predict()`` that ends in an exception
@@ -144,7 +154,64 @@ class SwapAverage(keras.callbacks.Callback):
         # end does not restore it.
         self._fitting = True
         self._swap_out()
+        self._check_order(_callbacks_of_this_call())
 
+    def _check_order(self, callbacks):
+        """Refuse or warn of callbacks that would act on the wrong weights
+        at an epoch's end, by where they are listed beside this one."""
+        if not callbacks or not any(c is self for c in callbacks):
+            return
+        mine = next(i for i, c in enumerate(callbacks) if c is self)
+        after, before = callbacks[mine + 1:], callbacks[:mine]
+        if self.swap_on_epoch:
+            backups = [c for c in after
+                       if isinstance(c, keras.callbacks.BackupAndRestore)]
+            if backups:
+                raise InvalidArgumentError(
+                    "SwapAverage(swap_on_epoch=True) is listed before "
+                    "BackupAndRestore, which would back up the averages it "
+                    "holds at each epoch's end as the model's weights, and "
+                    "resume training from them. List BackupAndRestore before "
+                    "SwapAverage. Received the callbacks "
+                    f"{[type(c).__name__ for c in callbacks]}.")
+        chosen = [c for c in (before if self.swap_on_epoch else callbacks)
+                  if _keeps_the_best_epoch(c)]
+        if chosen:
+            warnings.warn(
+                f"{[type(c).__name__ for c in chosen]} choose the best epoch "
+                f"by {sorted({c.monitor for c in chosen})}, measured on the "
+                "averaged weights (SwapAverage), but would keep that "
+                "epoch's raw weights. Use SwapAverage(swap_on_epoch=True) "
+                "listed before them, so that they keep the averages they "
+                "measured.", stacklevel=2)
+
+
+
+def _callbacks_of_this_call():
+    """The callbacks of the ``fit()`` whose ``CallbackList`` is calling the
+    caller's hook, or None when it is called another way."""
+    frame = sys._getframe(1)
+    for _ in range(4):
+        frame = frame.f_back
+        if frame is None:
+            return None
+        owner = frame.f_locals.get("self")
+        if isinstance(owner, keras.callbacks.CallbackList):
+            return list(owner.callbacks)
+    return None
+
+
+def _keeps_the_best_epoch(callback):
+    """Whether ``callback`` keeps the weights of the epoch with the best
+    validation metric (which SwapAverage measures on the averages)."""
+    monitor = str(getattr(callback, "monitor", ""))
+    if not monitor.startswith("val_"):
+        return False
+    if isinstance(callback, keras.callbacks.EarlyStopping):
+        return bool(callback.restore_best_weights)
+    if isinstance(callback, keras.callbacks.ModelCheckpoint):
+        return bool(callback.save_best_only)
+    return False
 
 
 class AveragedCheckpoint(keras.callbacks.Callback):

@@ -332,7 +332,8 @@ def test_validation_ended_by_an_exception_loses_no_training():
             for a, b in zip(second.start, before):
                 np.testing.assert_array_equal(a, b)
         elif opt._averager.swaps:  # left open (JAX's evaluate closes it)
-            with pytest.warns(UserWarning, match="was dropped"):
+            with pytest.warns(UserWarning,
+                              match="was closed at step .* without restoring"):
                 model.fit(x, y, epochs=3, verbose=0)
         else:
             model.fit(x, y, epochs=3, verbose=0)
@@ -1110,3 +1111,88 @@ def test_an_error_in_the_first_step_of_a_fit_is_not_replaced(make):
     with pytest.raises(Exception, match="incompatible") as caught:
         model.fit(wider, y, batch_size=8, epochs=1, verbose=0)
     assert not isinstance(caught.value, TypeError)
+
+
+def test_fit_inside_swap_average_trains_from_the_averages_and_says_so():
+    x, y = _data()
+    model = _model()
+    optimizer = keras_ema_opt.Adam(
+        0.1, averaging=keras_ema_opt.EMA(0.9, finalize=False))
+    model.compile(optimizer=optimizer, loss="mse")
+    model.fit(x, y, batch_size=8, verbose=0)
+    with pytest.warns(UserWarning, match=(
+            r"A swap of averaged weights open since optimizer step 4 was "
+            r"closed at step 8 without restoring the raw weights of that "
+            r"step: the model was trained from the averages it held, and "
+            r"restoring would undo that training\. \(A fit\(\) inside `with "
+            r"optimizer.swap_average\(model\):` trains from the averages")):
+        with optimizer.swap_average(model):
+            averages = [to_numpy(v).copy() for v in model.trainable_variables]
+            model.fit(x, y, batch_size=8, verbose=0)
+            trained = [to_numpy(v).copy() for v in model.trainable_variables]
+    for v, value, average in zip(model.trainable_variables, trained,
+                                 averages):
+        np.testing.assert_array_equal(to_numpy(v), value)  # kept
+        assert not np.array_equal(value, average)
+
+
+def test_swap_on_epoch_listed_before_backup_and_restore_is_refused(tmp_path):
+    x, y = _data()
+    model = _model()
+    model.compile(optimizer=keras_ema_opt.Adam(use_ema=True), loss="mse")
+    before = [to_numpy(v).copy() for v in model.weights]
+    backup = keras.callbacks.BackupAndRestore(str(tmp_path / "backup"))
+    with pytest.raises(InvalidArgumentError, match=(
+            r"SwapAverage\(swap_on_epoch=True\) is listed before "
+            r"BackupAndRestore, which would back up the averages .* List "
+            r"BackupAndRestore before SwapAverage\. Received the callbacks "
+            r"\['SwapAverage', 'BackupAndRestore'")):
+        model.fit(x, y, verbose=0,
+                  callbacks=[SwapAverage(swap_on_epoch=True), backup])
+    for v, value in zip(model.weights, before):
+        np.testing.assert_array_equal(to_numpy(v), value)
+    model.fit(x, y, verbose=0,  # the other way round
+              callbacks=[backup, SwapAverage(swap_on_epoch=True)])
+
+
+@pytest.mark.parametrize("order, warned", [
+    ("SwapAverage(), EarlyStopping", True),
+    ("EarlyStopping, SwapAverage(swap_on_epoch=True)", True),
+    ("SwapAverage(swap_on_epoch=True), EarlyStopping", False),
+    ("SwapAverage(), ModelCheckpoint(save_best_only)", True),
+    ("SwapAverage(), EarlyStopping on loss", False),
+])
+def test_best_epoch_callbacks_keeping_raw_weights_are_warned_of(
+        tmp_path, order, warned):
+    import warnings
+
+    x, y = _data()
+    model = _model()
+    model.compile(optimizer=keras_ema_opt.Adam(use_ema=True), loss="mse")
+    make = {
+        "SwapAverage()": lambda: SwapAverage(),
+        "SwapAverage(swap_on_epoch=True)": lambda: SwapAverage(
+            swap_on_epoch=True),
+        "EarlyStopping": lambda: keras.callbacks.EarlyStopping(
+            monitor="val_loss", restore_best_weights=True),
+        "EarlyStopping on loss": lambda: keras.callbacks.EarlyStopping(
+            monitor="loss", restore_best_weights=True),
+        "ModelCheckpoint(save_best_only)": lambda: (
+            keras.callbacks.ModelCheckpoint(
+                str(tmp_path / "best.keras"), save_best_only=True)),
+    }
+    callbacks = [make[name]() for name in order.split(", ")]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model.fit(x, y, validation_data=(x, y), verbose=0,
+                  callbacks=callbacks)
+    messages = [str(w.message) for w in caught
+                if "choose the best epoch" in str(w.message)]
+    assert bool(messages) == warned
+    if warned:
+        assert re.search(
+            r"\['(EarlyStopping|ModelCheckpoint)'\] choose the best epoch by "
+            r"\['val_loss'\], measured on the averaged weights "
+            r"\(SwapAverage\), but would keep that epoch's raw weights\. Use "
+            r"SwapAverage\(swap_on_epoch=True\) listed before them",
+            messages[0])

@@ -479,19 +479,24 @@ class Averager:
         """Close open swaps at the end of training (``finalize``).
 
         A swap opened before ``step`` (the optimizer's micro-step count) has
-        seen training since: an evaluate or predict that ended in an
-        exception left it open. Its raw values are older than the trained
-        weights, so it is dropped, not restored, with a warning."""
+        seen training since: a ``fit()`` inside ``swap_average``, or after
+        an evaluate or predict that ended in an exception and left it open.
+        Its raw values are older than the trained weights, so it is closed
+        without restoring them, with a warning."""
         while self.swaps:
             swap = self.swaps.pop()
             if step is not None and swap.step is not None and (
                     swap.step < step):
                 warnings.warn(
-                    "A swap of averaged weights left open since optimizer "
-                    f"step {swap.step} (an evaluate or predict that ended "
-                    "in an exception) was dropped at step "
-                    f"{step}: the model was trained from the averages it "
-                    "held. Its older raw weights are not restored.",
+                    "A swap of averaged weights open since optimizer step "
+                    f"{swap.step} was closed at step {step} without "
+                    "restoring the raw weights of that step: the model was "
+                    "trained from the averages it held, and restoring would "
+                    "undo that training. (A fit() inside `with "
+                    "optimizer.swap_average(model):` trains from the "
+                    "averages, as does a fit() after an evaluate or predict "
+                    "that ended in an exception while a SwapAverage held "
+                    "them.)",
                     stacklevel=4)
                 continue
             if not keep_averages:
