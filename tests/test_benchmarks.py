@@ -926,3 +926,14 @@ def test_each_command_describes_itself_in_full(module, capsys):
     description = common.summary(mod.__doc__)
     assert description.endswith(".")
     assert description in " ".join(capsys.readouterr().out.split())
+
+
+def test_update_bn_benchmark_runs_beside_its_contenders():
+    (result,) = _bench_lines(run_python(
+        "-m", "benchmarks.batchnorm", "--batches", "2", "--batch-size", "4",
+        "--rounds", "1", backend=BACKEND, timeout=300).stdout)
+    contenders = ["update_bn", "predict"] + (
+        ["torch update_bn"] if BACKEND == "torch" else [])
+    assert list(result["seconds"]) == contenders
+    assert all(s > 0 for s in result["seconds"].values())
+    assert set(result["ours_over"]) == set(contenders[1:])
