@@ -164,8 +164,11 @@ class SwapAverage(keras.callbacks.Callback):
         mine = next(i for i, c in enumerate(callbacks) if c is self)
         after, before = callbacks[mine + 1:], callbacks[:mine]
         if self.swap_on_epoch:
+            # One saving at epochs' ends; with `save_freq=<batches>` it
+            # saves after a batch, when the model holds the raw weights.
             backups = [c for c in after
-                       if isinstance(c, keras.callbacks.BackupAndRestore)]
+                       if isinstance(c, keras.callbacks.BackupAndRestore)
+                       and getattr(c, "save_freq", "epoch") == "epoch"]
             if backups:
                 raise InvalidArgumentError(
                     "SwapAverage(swap_on_epoch=True) is listed before "

@@ -1153,6 +1153,10 @@ def test_swap_on_epoch_listed_before_backup_and_restore_is_refused(tmp_path):
         np.testing.assert_array_equal(to_numpy(v), value)
     model.fit(x, y, verbose=0,  # the other way round
               callbacks=[backup, SwapAverage(swap_on_epoch=True)])
+    by_batches = keras.callbacks.BackupAndRestore(  # saves after batches
+        str(tmp_path / "by_batches"), save_freq=2)
+    model.fit(x, y, verbose=0,
+              callbacks=[SwapAverage(swap_on_epoch=True), by_batches])
 
 
 @pytest.mark.parametrize("order, warned", [

@@ -296,3 +296,72 @@ def test_update_bn_refuses_a_model_not_built():
             r"update_bn: the model's BatchNormalization layers \['bn'\] are "
             r"not built, so they have no statistics yet\. Build the model")):
         keras_ema_opt.update_bn(model, _x())
+
+
+def test_update_bn_averages_every_call_of_a_layer_in_a_pass():
+    # TimeDistributed runs its BatchNormalization once a timestep; a layer
+    # shared by two branches runs twice. Each call's statistics count.
+    x = np.random.RandomState(0).randn(24, 5, 3).astype("float32")
+    x += np.arange(5, dtype="float32")[None, :, None]  # timestep t: mean t
+    keras.utils.set_random_seed(0)
+    per_step = keras.layers.TimeDistributed(keras.layers.BatchNormalization())
+    inputs = keras.Input((5, 3))
+    shared = keras.layers.BatchNormalization()
+    first = keras.layers.Flatten()(inputs)
+    outputs = keras.layers.Concatenate()([
+        keras.layers.Flatten()(per_step(inputs)), shared(first),
+        shared(keras.layers.Rescaling(2.0)(first))])
+    model = keras.Model(inputs, outputs)
+    keras_ema_opt.update_bn(model, x, batch_size=8)
+    batches = [x[i:i + 8].astype("float64") for i in range(0, 24, 8)]
+    np.testing.assert_allclose(  # the mean over timesteps and batches
+        to_numpy(per_step.layer.moving_mean),
+        np.mean([b[:, t].mean(0) for b in batches for t in range(5)], 0),
+        rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(
+        to_numpy(per_step.layer.moving_variance),
+        np.mean([b[:, t].var(0) for b in batches for t in range(5)], 0),
+        rtol=1e-5, atol=1e-6)
+    flat = [b.reshape(len(b), -1) for b in batches]
+    np.testing.assert_allclose(  # x and 2x: 1.5 times x's mean
+        to_numpy(shared.moving_mean),
+        np.mean([f.mean(0) for f in flat], 0) * 1.5, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(
+        to_numpy(shared.moving_variance),
+        np.mean([f.var(0) for f in flat], 0) * 2.5, rtol=1e-5, atol=1e-6)
+    assert per_step.layer.momentum == shared.momentum == 0.99
+
+
+class _InferenceBlock(keras.layers.Layer):
+    """Calls its BatchNormalization with training=False always."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.dense = keras.layers.Dense(3)
+        self.bn = keras.layers.BatchNormalization(name="inference_bn")
+        self.tracker = keras.metrics.Mean(name="activations")
+
+    def call(self, x, training=None):
+        self.tracker.update_state(x)
+        return self.bn(self.dense(x), training=False)
+
+
+def test_update_bn_keeps_what_the_pass_does_not_run_in_training_mode():
+    model, x = _mlp(), _x()
+    block = _InferenceBlock()
+    outer = keras.Sequential([keras.Input((3,)), block, model])
+    block.bn.moving_mean.assign(np.arange(3, dtype="float32"))
+    block.tracker.update_state(np.ones((2, 3), "float32"))
+    before = {v.path: to_numpy(v).copy()
+              for v in block.bn.variables + block.tracker.variables}
+    with pytest.warns(UserWarning, match=(
+            r"update_bn: these BatchNormalization layers did not run in "
+            r"training mode in the model's forward pass \(called with "
+            r"`training=False`, or not reached\) and keep their "
+            r"statistics: \['inference_bn'\]")):
+        keras_ema_opt.update_bn(outer, x, batch_size=16)
+    for v in block.bn.variables + block.tracker.variables:
+        np.testing.assert_array_equal(to_numpy(v), before[v.path], v.path)
+    # the model's own layers, behind the block, were measured
+    assert not np.allclose(to_numpy(model.layers[1].moving_variance),
+                           to_numpy(_mlp().layers[1].moving_variance))

@@ -31,7 +31,9 @@ def update_bn(model, x, batch_size=None, steps=None):
     ``moving_variance = sum_b n_b var_b / sum_b n_b``,
 
     with ``mean_b`` and ``var_b`` what the layer normalizes batch ``b`` by
-    (Keras' biased variance), accumulated in float64. With batches of one
+    (Keras' biased variance), accumulated in float64. A layer that runs
+    several times a pass (inside ``TimeDistributed``, or shared by two
+    branches) takes the mean over its calls. With batches of one
     size this is ``torch.optim.swa_utils.update_bn`` (whose variances are
     unbiased: Keras' times ``n / (n - 1)``). Use it after the averages are
     in the model (``fit()`` ends on them, or inside
@@ -40,9 +42,10 @@ def update_bn(model, x, batch_size=None, steps=None):
 
     Nothing else changes: the layers' ``momentum``, the weights, and every
     other variable of the model (dropout's random seeds, renormalization
-    statistics) are as before. Layers with ``trainable=False`` run in
-    inference mode in Keras and keep their statistics (a warning names
-    them). If reading the data or the forward pass fails, the statistics
+    statistics, metrics) are as before. Layers with ``trainable=False`` run
+    in inference mode in Keras and keep their statistics, as do layers the
+    forward pass does not run in training mode (called with
+    ``training=False``); a warning names them. If reading the data or the forward pass fails, the statistics
     are restored bit for bit before the error propagates.
 
     Inside ``swap_average`` the recomputed statistics are swapped back out
@@ -95,19 +98,73 @@ def update_bn(model, x, batch_size=None, steps=None):
         return 0
     recomputed = _statistics(layers)
     ids = {id(v) for v in recomputed}
-    others = [v for v in model.non_trainable_variables if id(v) not in ids]
+    others = list({id(v): v for v in model.non_trainable_variables
+                   + model.metrics_variables if id(v) not in ids}.values())
     before = [(v, backend.current_value(v)) for v in recomputed + others]
     momenta = [layer.momentum for layer in layers]
+    calls = _Calls(layers)
     try:
-        seen = _measure(model, layers, x, batch_size, steps)
+        seen = _measure(model, layers, calls, x, batch_size, steps)
     except BaseException:
         _assign_all(before)
         raise
     finally:
+        calls.close()
         for layer, momentum in zip(layers, momenta):
             layer.momentum = momentum
     _assign_all(before[len(recomputed):])
+    _keep_the_unreached(layers, calls.per_pass,
+                        {id(v): value for v, value in before})
     return seen
+
+
+class _Calls:
+    """Each layer's training-mode calls in one forward pass.
+
+    A layer may run several times a pass (inside ``TimeDistributed``, or
+    shared by two branches): its ``i``-th call of the pass gets momentum
+    ``(i - 1) / i``, so that its moving statistics end the pass as the mean
+    of the statistics of all its calls. Counted as the pass runs (at trace
+    time, where it is compiled), from ``start_pass``.
+    """
+
+    def __init__(self, layers):
+        self.layers = layers
+        self.counts = [0] * len(layers)
+        self.per_pass = None
+        for i, layer in enumerate(layers):
+            object.__setattr__(layer, "_moments",
+                               self._counted(i, layer, layer._moments))
+
+    def _counted(self, i, layer, moments):
+        def counted(*args, **kwargs):
+            self.counts[i] += 1
+            layer.momentum = (self.counts[i] - 1) / self.counts[i]
+            return moments(*args, **kwargs)
+        return counted
+
+    def start_pass(self):
+        self.counts = [0] * len(self.layers)
+
+    def close(self):
+        for layer in self.layers:
+            if "_moments" in vars(layer):
+                object.__delattr__(layer, "_moments")
+
+
+def _keep_the_unreached(layers, per_pass, before):
+    """Layers the forward pass did not run in training mode (called with
+    ``training=False``, or in a branch not taken) keep their statistics."""
+    unreached = [layer for layer, n in zip(layers, per_pass or []) if not n]
+    for layer in unreached:
+        for variable in _statistics([layer]):
+            variable.assign(before[id(variable)])
+    if unreached:
+        warnings.warn(
+            "update_bn: these BatchNormalization layers did not run in "
+            "training mode in the model's forward pass (called with "
+            "`training=False`, or not reached) and keep their statistics: "
+            f"{[layer.name for layer in unreached]}.", stacklevel=3)
 
 
 def _assign_all(pairs):
@@ -166,12 +223,11 @@ def _statistics(layers):
     return found
 
 
-def _measure(model, layers, x, batch_size, steps):
+def _measure(model, layers, calls, x, batch_size, steps):
     for layer in layers:
-        # With momentum 0 a training-mode call leaves the batch's own
-        # statistics in the moving ones; start from finite values, since
-        # 0 * nan is nan.
-        layer.momentum = 0.0
+        # The first call of a pass has momentum 0 and leaves the batch's
+        # own statistics in the moving ones; start from finite values,
+        # since 0 * nan is nan.
         _fill(layer.moving_mean, 0.0)
         _fill(layer.moving_variance, 1.0)
         if layer.renorm:
@@ -180,10 +236,12 @@ def _measure(model, layers, x, batch_size, steps):
                for v in (layer.moving_mean, layer.moving_variance)]
     sums = [np.zeros(v.shape, "float64") for v in moments]
     seen = 0
-    forward = backend.training_forward(model)
+    forward = backend.training_forward(model, calls.start_pass)
     for inputs in _batches(x, batch_size, steps):
         count = int(keras.tree.flatten(inputs)[0].shape[0])
         forward(inputs)
+        if calls.per_pass is None:  # the first pass runs (or traces) all
+            calls.per_pass = list(calls.counts)
         for total, variable in zip(sums, moments):
             total += count * keras.ops.convert_to_numpy(
                 variable.value).astype("float64")

@@ -48,10 +48,12 @@ here. Each backend module provides the same set:
 - ``fit_failed()``: whether ``finalize_variable_values`` is being called
   by a ``fit()`` ending in an exception (JAX's ``fit()`` calls it from a
   ``finally`` block; the others only after their epochs).
-- ``training_forward(model)``: a function running ``model(inputs,
-  training=True)`` for the updates it makes to the model's variables,
-  compiled where the backend allows (JAX: a jitted stateless call;
-  TensorFlow: a ``tf.function``; PyTorch: eagerly, without autograd).
+- ``training_forward(model, on_pass)``: a function running
+  ``model(inputs, training=True)`` for the updates it makes to the model's
+  variables, compiled where the backend allows (JAX: a jitted stateless
+  call; TensorFlow: a ``tf.function``; PyTorch: eagerly, without
+  autograd); ``on_pass()`` runs as each pass's Python runs (each trace,
+  where compiled).
 - ``lerp_averages(pairs, weight, gated)``: the averaging update
   ``a <- a + weight (x - a)`` for the ``(average, variable)`` pairs a fast
   path takes (PyTorch: ``torch._foreach_lerp_`` by device and dtype;

@@ -321,12 +321,14 @@ def is_chief():
     return jax.process_index() == 0
 
 
-def training_forward(model):
+def training_forward(model, on_pass):
     """A function running ``model(inputs, training=True)`` compiled: Keras'
     stateless call under ``jax.jit``, whose new non-trainable values (the
-    layers' updates) are then assigned to the model's variables."""
+    layers' updates) are then assigned to the model's variables;
+    ``on_pass()`` is called as each trace begins."""
     @jax.jit
     def new_values(trainable, non_trainable, inputs):
+        on_pass()
         _, values = model.stateless_call(
             trainable, non_trainable, inputs, training=True)
         return values

@@ -335,11 +335,15 @@ def _fix_multi_worker_fit():
     _FIXED.append(True)
 
 
-def training_forward(model):
+def training_forward(model, on_pass):
     """A function running ``model(inputs, training=True)`` as one graph
-    (traced once per input signature; its variable updates included)."""
-    graph = tf.function(lambda inputs: model(inputs, training=True),
-                        reduce_retracing=True)
+    (traced once per input signature; its variable updates included),
+    calling ``on_pass()`` as each trace begins."""
+    def body(inputs):
+        on_pass()
+        return model(inputs, training=True)
+
+    graph = tf.function(body, reduce_retracing=True)
 
     def run(inputs):
         graph(tf.nest.map_structure(tf.convert_to_tensor, inputs))

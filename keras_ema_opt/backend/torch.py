@@ -20,10 +20,12 @@ sync_training_state = _common.sync_training_state
 fit_failed = _common.fit_failed
 
 
-def training_forward(model):
+def training_forward(model, on_pass):
     """A function running ``model(inputs, training=True)`` without autograd
-    (no graph is kept for a pass no gradient is taken of)."""
+    (no graph is kept for a pass no gradient is taken of), calling
+    ``on_pass()`` before each pass."""
     def run(inputs):
+        on_pass()
         with torch.no_grad():
             model(inputs, training=True)
     return run
