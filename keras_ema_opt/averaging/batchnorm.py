@@ -132,9 +132,15 @@ class _Calls:
         self.layers = layers
         self.counts = [0] * len(layers)
         self.per_pass = None
+        # Keras before 3.15 may compute the moments inline: such a layer
+        # runs with momentum 0 (its last call of a pass counts), uncounted.
+        self.counted = [hasattr(layer, "_moments") for layer in layers]
         for i, layer in enumerate(layers):
-            object.__setattr__(layer, "_moments",
-                               self._counted(i, layer, layer._moments))
+            if self.counted[i]:
+                object.__setattr__(layer, "_moments",
+                                   self._counted(i, layer, layer._moments))
+            else:
+                layer.momentum = 0.0
 
     def _counted(self, i, layer, moments):
         def counted(*args, **kwargs):
@@ -146,6 +152,13 @@ class _Calls:
     def start_pass(self):
         self.counts = [0] * len(self.layers)
 
+    def note_first_pass(self):
+        """Each layer's calls in the first pass (which runs, or traces,
+        all of them); None where uncounted."""
+        if self.per_pass is None:
+            self.per_pass = [n if counted else None
+                             for n, counted in zip(self.counts, self.counted)]
+
     def close(self):
         for layer in self.layers:
             if "_moments" in vars(layer):
@@ -155,7 +168,8 @@ class _Calls:
 def _keep_the_unreached(layers, per_pass, before):
     """Layers the forward pass did not run in training mode (called with
     ``training=False``, or in a branch not taken) keep their statistics."""
-    unreached = [layer for layer, n in zip(layers, per_pass or []) if not n]
+    unreached = [layer for layer, n in zip(layers, per_pass or [])
+                 if n == 0]
     for layer in unreached:
         for variable in _statistics([layer]):
             variable.assign(before[id(variable)])
@@ -240,8 +254,7 @@ def _measure(model, layers, calls, x, batch_size, steps):
     for inputs in _batches(x, batch_size, steps):
         count = int(keras.tree.flatten(inputs)[0].shape[0])
         forward(inputs)
-        if calls.per_pass is None:  # the first pass runs (or traces) all
-            calls.per_pass = list(calls.counts)
+        calls.note_first_pass()
         for total, variable in zip(sums, moments):
             total += count * keras.ops.convert_to_numpy(
                 variable.value).astype("float64")
