@@ -365,3 +365,43 @@ def test_update_bn_keeps_what_the_pass_does_not_run_in_training_mode():
     # the model's own layers, behind the block, were measured
     assert not np.allclose(to_numpy(model.layers[1].moving_variance),
                            to_numpy(_mlp().layers[1].moving_variance))
+
+
+class _InlineMomentsNorm(keras.layers.BatchNormalization):
+    """Computes its moments inline, as Keras before 3.15 may: no
+    ``_moments`` to count calls by."""
+
+    @property
+    def _moments(self):
+        raise AttributeError("_moments")
+
+    def call(self, inputs, training=None, mask=None):
+        if training and self.trainable:
+            mean, variance = keras.ops.moments(inputs, axes=[0])
+            self.moving_mean.assign(self.moving_mean * self.momentum
+                                    + mean * (1.0 - self.momentum))
+            self.moving_variance.assign(
+                self.moving_variance * self.momentum
+                + variance * (1.0 - self.momentum))
+        else:
+            mean, variance = self.moving_mean, self.moving_variance
+        return keras.ops.batch_normalization(
+            inputs, mean, variance, axis=-1, offset=self.beta,
+            scale=self.gamma, epsilon=self.epsilon)
+
+
+def test_update_bn_of_a_layer_computing_its_moments_inline():
+    keras.utils.set_random_seed(0)
+    norm = _InlineMomentsNorm(momentum=0.7)
+    model = keras.Sequential([keras.Input((3,)), norm, keras.layers.Dense(1)])
+    x = _x()
+    keras_ema_opt.update_bn(model, x, batch_size=16)
+    batches = [x[i:i + 16].astype("float64") for i in range(0, 70, 16)]
+    weights = [len(b) / 70 for b in batches]
+    np.testing.assert_allclose(
+        to_numpy(norm.moving_mean),
+        sum(w * b.mean(0) for w, b in zip(weights, batches)), rtol=1e-5)
+    np.testing.assert_allclose(
+        to_numpy(norm.moving_variance),
+        sum(w * b.var(0) for w, b in zip(weights, batches)), rtol=1e-5)
+    assert norm.momentum == 0.7 and "_moments" not in vars(norm)
