@@ -56,13 +56,13 @@ class SwapAverage(keras.callbacks.Callback):
             ``EarlyStopping`` after this callback to act on them, and
             ``BackupAndRestore`` before it: listed after it, it is refused,
             since it would back up the averages as the weights).
+        slot: Which average, for strategies keeping several (PowerEMA).
 
     ``EarlyStopping(restore_best_weights=True)`` and
     ``ModelCheckpoint(save_best_only=True)`` watching a ``val_`` metric
     choose their epoch by what this callback measures on the averages: they
     keep those averages only with ``swap_on_epoch=True`` and listed after
     this callback; otherwise a warning says so when ``fit()`` begins.
-        slot: Which average, for strategies keeping several (PowerEMA).
 
     A ``fit()``, ``evaluate()`` or ``predict()`` that ends in an exception
     (Keras then calls no ``*_end``) leaves nothing behind: the next call
@@ -159,9 +159,10 @@ class SwapAverage(keras.callbacks.Callback):
     def _check_order(self, callbacks):
         """Refuse or warn of callbacks that would act on the wrong weights
         at an epoch's end, by where they are listed beside this one."""
-        if not callbacks or not any(c is self for c in callbacks):
+        mine = next((i for i, c in enumerate(callbacks or ()) if c is self),
+                    None)
+        if mine is None:
             return
-        mine = next(i for i, c in enumerate(callbacks) if c is self)
         after, before = callbacks[mine + 1:], callbacks[:mine]
         if self.swap_on_epoch:
             # One saving at epochs' ends; with `save_freq=<batches>` it
@@ -187,7 +188,6 @@ class SwapAverage(keras.callbacks.Callback):
                 "epoch's raw weights. Use SwapAverage(swap_on_epoch=True) "
                 "listed before them, so that they keep the averages they "
                 "measured.", stacklevel=2)
-
 
 
 def _callbacks_of_this_call():

@@ -545,9 +545,9 @@ class Optimizer(backend.OptimizerHooks, keras.optimizers.Optimizer):
         averaging = _resolve_averaging(
             averaging, value("use_ema"), value("ema_momentum")
         )
-        if not follows and value("use_ema") is True and arguments.get(
-                "ema_momentum", defaults.get("ema_momentum")) != defaults.get(
-                "ema_momentum") and averaging != EMA(value("ema_momentum")):
+        if not follows and value("use_ema") is True and value(
+                "ema_momentum") != defaults.get("ema_momentum") and (
+                averaging != EMA(value("ema_momentum"))):
             warnings.warn(
                 f"{cls_name}: ema_momentum={value('ema_momentum')} is not "
                 f"used: the averages follow averaging={averaging!r}.",
