@@ -701,6 +701,101 @@ def test_assign_by_path_refuses_a_model_of_repeated_paths(tmp_path):
             r"\['d/bias', 'd/kernel'\]")
 
 
+def _auto_named_model(frozen_units=4):
+    """A functional model whose layers Keras names itself: a Dense, a
+    Sequential nesting a Dense and a BatchNormalization, a frozen Dense,
+    a Bidirectional GRU and a last Dense."""
+    inputs = keras.Input((3, 2))
+    h = keras.layers.Dense(4)(inputs)
+    h = keras.Sequential([keras.layers.Dense(4),
+                          keras.layers.BatchNormalization()])(h)
+    h = keras.layers.Dense(frozen_units, trainable=False)(h)
+    h = keras.layers.Bidirectional(keras.layers.GRU(2))(h)
+    return keras.Model(inputs, keras.layers.Dense(1)(h))
+
+
+def test_assign_by_path_into_the_model_built_again_in_the_process(
+        tmp_path):
+    # A notebook trains a model with snapshots and builds it again to take
+    # a reconstruction: Keras numbers the names it gives layers anew
+    # (`functional/dense/kernel` is now `functional_1/dense_4/kernel`).
+    # Each trainable variable takes the weight of the variable at its
+    # place in the first build; the frozen layer keeps its own.
+    rng = np.random.default_rng(3)
+    first = _auto_named_model()
+    folder = tmp_path / "snapshots"
+    first.compile(optimizer=keras_ema_opt.averaged(
+        keras.optimizers.Adam(0.01), averaging=keras_ema_opt.PowerEMA(
+            snapshot_every=2, snapshot_dir=str(folder))), loss="mse")
+    x = rng.normal(size=(16, 3, 2)).astype("float32")
+    first.fit(x, x.sum(axis=(1, 2))[:, None], batch_size=4, epochs=1,
+              verbose=0, callbacks=[PowerEMASnapshots()])
+    weights = first.optimizer.averaging.synthesize(sigma_rel=0.08)
+    assert set(weights) == {v.path for v in first.trainable_variables}
+    again = _auto_named_model()
+    assert not {v.path for v in again.weights} & set(weights)
+    frozen_before = [to_numpy(v) for v in again.non_trainable_variables]
+    keras_ema_opt.averaging.assign_by_path(again, weights)
+    for old, new in zip(first.trainable_variables,
+                        again.trainable_variables):
+        np.testing.assert_array_equal(to_numpy(new), weights[old.path])
+    for v, old in zip(again.non_trainable_variables, frozen_before):
+        np.testing.assert_array_equal(to_numpy(v), old)
+
+
+def test_assign_by_path_renumbers_only_names_keras_gave(tmp_path):
+    # Layers named by hand keep their names: `block_1`'s weights do not go
+    # to a `block_2`, though Keras would have numbered names so.
+    def blocks(name):
+        inputs = keras.Input((3,))
+        h = keras.Sequential([keras.layers.Dense(3, name="d")],
+                             name=name)(inputs)
+        return keras.Model(inputs, h, name="m")
+
+    weights = {v.path: np.ones(v.shape, "float32")
+               for v in blocks("block_1").weights}
+    _refused_and_untouched(blocks("block_2"), weights, KeyError,
+                           r"2 weight\(s\) name no variable of the model")
+    # A layer of the family that two layers of the model could each be,
+    # of the same shapes (one of them frozen): neither is written.
+    one = keras.Sequential([keras.Input((3,)), keras.layers.Dense(3)])
+    weights = {v.path: np.full(v.shape, 2.0, "float32")
+               for v in one.weights}
+    two = keras.Sequential([keras.Input((3,)), keras.layers.Dense(3),
+                            keras.layers.Dense(3, trainable=False)])
+    _refused_and_untouched(two, weights, KeyError,
+                           r"2 weight\(s\) name no variable of the model")
+    # Of other shapes, only one of them can: it takes them.
+    other = keras.Sequential([keras.Input((3,)), keras.layers.Dense(3),
+                              keras.layers.Dense(2, trainable=False)])
+    keras_ema_opt.averaging.assign_by_path(other, weights)
+    np.testing.assert_array_equal(to_numpy(other.layers[0].kernel),
+                                  np.full((3, 3), 2.0))
+    assert not np.any(to_numpy(other.layers[1].kernel) == 2.0)
+
+
+def test_renumbered_paths_shift_each_family_by_one_number():
+    from keras_ema_opt.averaging.posthoc import renumbered
+
+    keys = ["sequential/dense/kernel", "sequential/dense_2/kernel",
+            "sequential/conv2d/kernel"]
+    targets = ["sequential_3/dense_5/kernel", "sequential_3/dense_6/kernel",
+               "sequential_3/dense_7/kernel", "sequential_3/conv2d_1/kernel"]
+    families = {"sequential", "dense", "conv2d"}
+    # `dense_6` is a layer no key names (frozen): the shift of 5 alone
+    # takes both of the keys' numbers (0 and 2) to names of the targets.
+    assert renumbered(keys, targets, "sequential_3", families) == [{
+        keys[0]: targets[0], keys[1]: targets[2], keys[2]: targets[3]}]
+    # Not a family Keras named: no renaming; no container dropped.
+    assert renumbered(keys, targets, "sequential_3", {"dense"}) == []
+    assert renumbered(["dense/kernel"], ["enc/dense_1/kernel"], "m",
+                      {"dense"}) == []
+    # Two shifts that each fit: both maps, for the caller to refuse.
+    assert len(renumbered(["s/dense/kernel"], ["s/dense_1/kernel",
+                                               "s/dense_2/kernel"], "s",
+                          {"dense"})) == 2
+
+
 def test_snapshots_of_a_nested_model_across_a_save_and_load(tmp_path):
     # A loaded functional model names the variables of its Bidirectional
     # and of a Sequential it nests without their names

@@ -564,6 +564,24 @@ def model_variables(target):
     return list(target)
 
 
+def _families_named_by_keras(model):
+    """The names Keras gives the model's layers made without a name (their
+    class's, in snake case: ``dense`` of ``Dense``, and a
+    ``Bidirectional``'s ``forward_gru``), where a layer has such a name."""
+    from keras.src.utils import naming
+
+    from keras_ema_opt.averaging import posthoc
+
+    families = set()
+    flatten = getattr(model, "_flatten_layers", None)
+    for layer in flatten(include_self=True) if flatten else ():
+        own = naming.to_snake_case(type(layer).__name__)
+        family = posthoc._numbered(layer.name)[0]
+        if family in (own, "forward_" + own, "backward_" + own):
+            families.add(family)
+    return families
+
+
 def assign_by_path(model, weights):
     """Assign ``{variable path: array}`` to the variables of ``model``.
 
@@ -576,15 +594,47 @@ def assign_by_path(model, weights):
     variables' paths when it builds them, not when it loads them from a
     ``.keras`` file; ``posthoc.align_paths``), or without the names of the
     models and wrappers nesting its layer, which a loaded model's paths
-    lack too (``outer/block/d/kernel`` and ``d/kernel``).
+    lack too (``outer/block/d/kernel`` and ``d/kernel``). A model built
+    again in the same process, whose layers Keras named itself, takes the
+    weights of its first build: Keras numbers those names anew
+    (``sequential/dense/kernel`` is ``sequential_1/dense_2/kernel``), and
+    each such name is matched by its number's shift (``posthoc.
+    renumbered``; a name given by hand is kept as it is).
+
+    Example:
+
+    ```python
+    import keras
+    import numpy as np
+    import keras_ema_opt
+
+    def build():
+        return keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
+
+    first = build()
+    weights = {v.path: np.ones(v.shape) for v in first.weights}
+    again = build()  # its paths: sequential_1/dense_1/...
+    keras_ema_opt.averaging.assign_by_path(again, weights)
+    ```
     """
     from keras_ema_opt.averaging import posthoc
 
     variables = model_variables(model)
     by_path = {v.path: v for v in variables}
     paths = [v.path for v in variables]
-    names = posthoc.align_paths(weights, paths,
-                                model_name=getattr(model, "name", None) or "")
+    model_name = getattr(model, "name", None) or ""
+    names = posthoc.align_paths(weights, paths, model_name=model_name)
+    if names is None and not posthoc.shadowed(weights, paths):
+        # The same model built again in this process: Keras numbers the
+        # names it gives layers itself anew (`dense` is now `dense_2`).
+        maps = posthoc.renumbered(weights, paths, model_name,
+                                  _families_named_by_keras(model))
+        if len(maps) > 1:  # a frozen layer of the family: by shape
+            maps = [m for m in maps if all(
+                tuple(by_path[t].shape) == tuple(np.shape(weights[k]))
+                for k, t in m.items())]
+        if len(maps) == 1:
+            names = maps[0]
     repeated = sorted(path for path, n in collections.Counter(paths).items()
                       if n > 1)
     if repeated and (names is None or set(names.values()) & set(repeated)):
@@ -609,9 +659,11 @@ def assign_by_path(model, weights):
         raise KeyError(
             f"{len(unknown)} weight(s) name no variable of the model: "
             f"{unknown[:5]} (by path, or by path without the names of its "
-            "model and of the models and wrappers nesting a layer, one "
-            "variable each; where two could take one, neither does). The "
-            f"model's variables: {sorted(by_path)[:5]}...")
+            "model and of the models and wrappers nesting a layer, or with "
+            "the numbers of the names Keras gave layers itself shifted, as "
+            "in a model built again in this process; one variable each; "
+            "where two could take one, neither does). The model's "
+            f"variables: {sorted(by_path)[:5]}...")
     for path, value in weights.items():  # every shape before any assign
         var = by_path[names[path]]
         if tuple(var.shape) != tuple(np.shape(value)):

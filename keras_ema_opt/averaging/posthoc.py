@@ -16,6 +16,7 @@ the closed form ``<p_a, p_b> = (g_a + 1)(g_b + 1)(t_a / t_b)^e /
 """
 
 import glob
+import itertools
 import json
 import os
 import re
@@ -185,7 +186,7 @@ def _under_one(paths, head=None):
     return None if head is None else (head, rests)
 
 
-def align_paths(keys, targets, model_name=None):
+def align_paths(keys, targets, model_name=None, containers=True):
     """Map each of ``keys`` to one of ``targets``, one to one, by path.
 
     The same path; or else the same path without a model's name, or under
@@ -246,9 +247,83 @@ def align_paths(keys, targets, model_name=None):
             found.append({key: paths[key] for key in keys})
     if whole:
         found = [m for m in found if set(m.values()) == known]
-    if not found:
+    if not found and containers:
         found = [_without_containers(keys, targets, whole)]
     return found[0] if len(found) == 1 else None
+
+
+def _numbered(name):
+    """``(family, n)`` of a name as Keras' ``uniquify`` makes them:
+    ``("dense", 0)`` of ``dense``, ``("dense", 3)`` of ``dense_3``."""
+    match = re.fullmatch(r"(.+?)_([0-9]+)", name)
+    return (match.group(1), int(match.group(2))) if match else (name, 0)
+
+
+def renumbered(keys, targets, model_name, families, most=64):
+    """The maps of ``keys`` to ``targets`` once the names Keras gave
+    layers itself are numbered as in a model built again in this process.
+
+    Keras names a layer made without a name after its class, numbered in
+    the process (``dense``, ``dense_1``, ...): the same model built again
+    in the same process names its layers ``dense_2``, ``dense_3``, and its
+    variables' paths change with them. Each family of ``families`` (the
+    names the targets' model gave its layers itself, ``dense``) is shifted
+    by one number for all its names, the one that takes each of the keys'
+    names of that family to a name of the targets (a frozen layer that no
+    key names keeps its place in the count); names of other families are
+    kept. Each renaming is then matched by ``align_paths`` as it is or
+    under the model's other name, never by dropping containers' names.
+
+    Returns:
+        The list of the distinct maps found (``key -> target``), empty
+        where a family has no such shift or the shifts would make more than
+        ``most`` renamings to try.
+    """
+    def numbers(paths):
+        found = {}
+        for path in paths:
+            for part in path.split("/")[:-1]:
+                family, n = _numbered(part)
+                if family in families:
+                    found.setdefault(family, {})[n] = part
+        return found
+
+    have, want = numbers(targets), numbers(keys)
+    options = []  # (family, [shift, ...])
+    count = 1
+    for family, named in sorted(want.items()):
+        there = have.get(family, {})
+        low = min(named)
+        shifts = [s for s in sorted({n - low for n in there})
+                  if all(n + s in there for n in named)]
+        if not shifts:
+            return []
+        options.append((family, shifts))
+        count *= len(shifts)
+    if not options or count > most:
+        return []
+    maps = []
+    for chosen in itertools.product(*(shifts for _, shifts in options)):
+        if not any(chosen):
+            continue  # the names as they are: align_paths found no map
+        rename = {}
+        for (family, _), shift in zip(options, chosen):
+            for n, name in want[family].items():
+                rename[name] = have[family][n + shift]
+        renamed = {}
+        for key in keys:
+            parts = key.split("/")
+            renamed["/".join([rename.get(p, p) for p in parts[:-1]]
+                             + parts[-1:])] = key
+        if len(renamed) != len(keys):
+            continue
+        found = align_paths(list(renamed), targets, model_name=model_name,
+                            containers=False)
+        if found is not None:
+            pairs = {renamed[r]: t for r, t in found.items()}
+            if pairs not in maps:
+                maps.append(pairs)
+    return maps
 
 
 def shadowed(keys, targets):
