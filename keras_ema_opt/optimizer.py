@@ -923,14 +923,26 @@ class Optimizer(backend.OptimizerHooks, keras.optimizers.Optimizer):
         With a list of variables the optimizer is built before the loss is
         computed, so that under ``torch.distributed`` rank 0's weights
         reach every rank before the first gradient (as DDP's wrapping).
+        A callable ``var_list`` names its variables once the loss has made
+        them: the optimizer is built after the first gradients, and where
+        the build replaced the weights with rank 0's, the gradients are
+        computed again at them.
         """
         if not self.built and not callable(var_list):
             var_list = list(var_list)
-            with keras.name_scope(self.name, caller=self):
-                self.build(var_list)
-            self.built = True
+            self._build_for_minimize(var_list)
+        built = self.built
         grads_and_vars = self.compute_gradients(loss, var_list, tape)
+        if not built and not self.built and callable(var_list):
+            self._build_for_minimize(list(var_list()))
+            if self.__dict__.get("_keo_synced_on_build") and callable(loss):
+                grads_and_vars = self.compute_gradients(loss, var_list, tape)
         return self.apply_gradients(grads_and_vars)
+
+    def _build_for_minimize(self, variables):
+        with keras.name_scope(self.name, caller=self):
+            self.build(variables)
+        self.built = True
 
     def aggregate_gradients(self, grads_and_vars):
         """Aggregate gradients over replicas (identity outside a
@@ -1124,7 +1136,12 @@ class Optimizer(backend.OptimizerHooks, keras.optimizers.Optimizer):
             model = fitting
         frozen = [v for v in (model.non_trainable_variables if model else ())
                   if keras.backend.is_float_dtype(v.dtype)]
-        backend.sync_initial_state(self, list(variables) + frozen)
+        # Not in a load (`load_model` builds the optimizer in Keras'
+        # `compile_from_config`, then puts the file's weights in): a chief
+        # loading alone would wait for the other ranks' broadcast.
+        self.__dict__["_keo_synced_on_build"] = (
+            not self._built_by_a_load() and bool(
+                backend.sync_initial_state(self, list(variables) + frozen)))
         averager = None
         if self.averaging is not None:
             extras, model = (), None
@@ -1218,6 +1235,20 @@ class Optimizer(backend.OptimizerHooks, keras.optimizers.Optimizer):
         """The model of ``track_non_trainable`` while it lives, or None."""
         ref = self.__dict__.get("_tracked_model")
         return None if ref is None else ref()
+
+    def _built_by_a_load(self):
+        """Whether Keras' ``compile_from_config`` (``load_model``) is
+        building this optimizer: the file's weights then replace those the
+        build sees, on every rank that loads it."""
+        frame = sys._getframe(1)
+        while frame is not None:
+            if frame.f_code.co_name == "compile_from_config":
+                held = getattr(frame.f_locals.get("self"), "optimizer", None)
+                if held is self or getattr(held, "inner_optimizer",
+                                           None) is self:
+                    return True
+            frame = frame.f_back
+        return False
 
     def _model_on_stack(self):
         """The model on the call stack whose optimizer this is (building

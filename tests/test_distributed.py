@@ -119,8 +119,19 @@ def test_torch_ddp_fit_and_custom_loop_equal_one_process(torch_run):
         _assert_same(rank["fit"], reference, f"fit, rank {rank['rank']}")
         _assert_same(rank["loop"], common.state(loop),
                      f"custom loop, rank {rank['rank']}")
+        _assert_same(rank["loop_callable"], common.state(loop),
+                     f"custom loop, callable var_list, rank {rank['rank']}")
     # The same averages on every rank, bit for bit.
     assert ranks[0]["fit"]["averages"] == ranks[1]["fit"]["averages"]
+
+
+@only_on("torch")
+def test_torch_ddp_chief_loads_alone_while_the_group_is_up(torch_run):
+    # load_model builds the optimizer; that build broadcasts nothing (it
+    # had waited for the other rank), and the file's state is what loads.
+    _, ranks = torch_run
+    assert "chief_loaded" not in ranks[1]
+    assert ranks[0]["chief_loaded"] == ranks[0]["mid"]
 
 
 @only_on("torch")

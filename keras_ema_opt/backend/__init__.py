@@ -35,7 +35,8 @@ here. Each backend module provides the same set:
   caller holds them: PyTorch's clipping may scale them in place).
 - ``sync_initial_state(optimizer, variables)``: make every replica start
   from the same variables before the optimizer state is built (broadcast
-  from rank 0 under ``torch.distributed``).
+  from rank 0 under ``torch.distributed``); returns whether it replaced
+  any value.
 - ``on_create(optimizer)``: called when an optimizer is made (TensorFlow:
   under a multi-worker strategy, make Keras' ``fit()`` work there).
 - ``chief_only_scope()``: a context for work the chief does alone

@@ -95,8 +95,10 @@ def mark_step_made(optimizer, grads):
 
 
 def sync_initial_state(optimizer, variables):
-    """Nothing to do where every replica starts from the same values."""
+    """Nothing to do where every replica starts from the same values:
+    returns False (no value replaced)."""
     del optimizer, variables
+    return False
 
 
 def is_chief():

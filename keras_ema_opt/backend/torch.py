@@ -700,16 +700,18 @@ def _wrap_loss_scale_optimizer():
 def sync_initial_state(optimizer, variables):
     """Broadcast ``variables`` from rank 0 before the optimizer state (and
     the averages, which start as copies) is built, as DDP does when it
-    wraps a module: every rank then starts from the same weights."""
+    wraps a module: every rank then starts from the same weights.
+    Returns whether it broadcast (a group of more than one rank)."""
     del optimizer
     if _world_size() == 1:
-        return
+        return False
     dist = torch.distributed
     with torch.no_grad():
         for var in variables:
             value = var.value
             dist.broadcast(value.data if hasattr(value, "data") else value,
                            src=0)
+    return True
 
 
 def is_chief():

@@ -7,7 +7,8 @@ Each rank builds the model from its own seed (rank 0's weights must reach
 every rank), then ``fit()`` on its half of each global batch: 2 steps, a
 ``.keras`` save by rank 0 only (``mid.keras``), 2 more steps, and an
 ``AveragedCheckpoint`` that only rank 0 may write. A custom loop
-(``minimize`` on each rank's half) follows. Each rank writes
+(``minimize`` on each rank's half) follows, with a list of variables and
+with a callable; then rank 0 alone loads ``mid.keras``. Each rank writes
 OUT/rank<r>.json with its weights, averages and iterations.
 """
 
@@ -55,6 +56,24 @@ def main(out):
 
         loop.optimizer.minimize(loss, loop.trainable_variables)
     result["loop"] = common.state(loop)
+    # The same loop with a callable var_list, which names the variables
+    # once the loss has run: the gradients of the first step are taken at
+    # rank 0's weights too.
+    loop = common.make_model(seed=10 + rank)
+    for step in range(common.STEPS):
+        xs, ys = (keras.ops.convert_to_tensor(a)
+                  for a in common.local(rank, world, [step]))
+
+        def loss():
+            return keras.ops.mean(keras.ops.square(loop(xs) - ys))
+
+        loop.optimizer.minimize(loss, lambda: loop.trainable_variables)
+    result["loop_callable"] = common.state(loop)
+    if rank == 0:
+        # The chief loads alone while the group is up (no rank joins a
+        # broadcast): the loaded weights replace whatever the build saw.
+        loaded = keras.saving.load_model(os.path.join(out, "mid.keras"))
+        result["chief_loaded"] = common.state(loaded)
     common.write(os.path.join(out, f"rank{rank}.json"), result)
     common.leave_torch_group()
 
