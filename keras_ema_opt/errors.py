@@ -18,7 +18,9 @@ class UnknownArgumentError(TypeError, ValueError):
 
 
 class UnknownVariableError(KeyError, ValueError):
-    """A variable the optimizer was not built for was passed to it.
+    """A variable that is not there: one the optimizer was not built for
+    was passed to it, or a weight names no variable of a model
+    (``averaging.assign_by_path``).
 
     Keras 2 raised ``KeyError`` here and Keras 3 ``ValueError``; this error
     is both.

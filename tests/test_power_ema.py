@@ -12,6 +12,8 @@ from conftest import to_numpy
 
 import keras_ema_opt
 from keras_ema_opt.callbacks import PowerEMASnapshots
+from keras_ema_opt.errors import InvalidArgumentError
+from keras_ema_opt.errors import UnknownVariableError
 
 
 def std_to_exp(sigma_rel):
@@ -254,8 +256,52 @@ def test_power_ema_errors():
             keras_ema_opt.PowerEMA().synthesize(width, snapshot_dir="/x")
     with pytest.raises(ValueError, match="needs a `snapshot_dir`"):
         keras_ema_opt.PowerEMA(snapshot_every=10)
-    with pytest.raises(ValueError, match="No power-EMA snapshots"):
+    with pytest.raises(InvalidArgumentError,
+                       match="each width once.*sigma_rels=\\(0.05, 0.05\\)"):
+        keras_ema_opt.PowerEMA(sigma_rels=(0.05, 0.05))
+    # Just under 1/sqrt(12) = 0.2886751...: a width (gamma 1e-4).
+    assert keras_ema_opt.PowerEMA(sigma_rels=(0.28867,)).gammas[0] > 0
+    with pytest.raises(InvalidArgumentError, match="'/nonexistent' does "
+                       "not exist: give the `snapshot_dir`"):
         keras_ema_opt.PowerEMA().synthesize(0.1, snapshot_dir="/nonexistent")
+
+
+def test_post_hoc_errors_are_typed(tmp_path):
+    with pytest.raises(InvalidArgumentError, match="No power-EMA snapshots"):
+        keras_ema_opt.PowerEMA().synthesize(0.1, snapshot_dir=tmp_path)
+    (tmp_path / "file").write_text("")
+    with pytest.raises(InvalidArgumentError, match="does not exist \\(it is "
+                       "a file\\)"):
+        keras_ema_opt.PowerEMA().synthesize(0.1,
+                                            snapshot_dir=tmp_path / "file")
+    model = keras.Sequential([keras.Input((2,)),
+                              keras.layers.Dense(1, name="d")], name="net")
+    model.compile(optimizer=keras_ema_opt.SGD(
+        averaging=keras_ema_opt.PowerEMA()), loss="mse")
+    model.fit(np.ones((4, 2)), np.ones((4, 1)), verbose=0)
+    with pytest.raises(InvalidArgumentError, match="needs a PowerEMA "
+                       "averaging with a `snapshot_dir`.*directory=None"):
+        model.optimizer.save_snapshot()
+    with pytest.raises(UnknownVariableError,
+                       match=r"^1 weight\(s\) name no variable"):
+        keras_ema_opt.averaging.assign_by_path(
+            model, {"net/zz/kernel": np.ones((2, 1))})
+    with pytest.raises(InvalidArgumentError, match="Shape mismatch for "
+                       "net/d/kernel"):
+        keras_ema_opt.averaging.assign_by_path(
+            model, {"net/d/kernel": np.ones((3, 1))})
+    # A snapshot whose widths are not numbers is damaged, and named.
+    from keras_ema_opt.averaging import posthoc
+
+    posthoc.write_snapshot(tmp_path, 10, [1.0], 1, {"0/w": np.zeros(2)})
+    path = tmp_path / "phema-000000010.npz"
+    data = dict(np.load(path))
+    data["__meta__"] = np.frombuffer(b'{"step": 10, "gammas": ["x"]}',
+                                     np.uint8)
+    np.savez(path, **data)
+    with pytest.raises(InvalidArgumentError, match="phema-000000010.npz is "
+                       "not a readable power-EMA snapshot.*finite numbers"):
+        keras_ema_opt.PowerEMA().synthesize(0.1, snapshot_dir=tmp_path)
 
 
 def _trained_snapshots(tmp_path, dtype="float32", steps=40, every=20):

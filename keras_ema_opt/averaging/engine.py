@@ -436,9 +436,10 @@ class Averager:
         strategy = self.strategy
         directory = directory or getattr(strategy, "snapshot_dir", None)
         if directory is None or not hasattr(strategy, "gammas"):
-            raise ValueError(
+            raise InvalidArgumentError(
                 "save_snapshot() needs a PowerEMA averaging with a "
-                f"`snapshot_dir`. Received: averaging={strategy!r}"
+                "`snapshot_dir` (or a `directory` argument). Received: "
+                f"averaging={strategy!r}, directory={directory!r}"
             )
         arrays = {}
         for var, slots in zip(self.variables, self.slots):
@@ -640,7 +641,7 @@ def assign_by_path(model, weights):
     if repeated and (names is None or set(names.values()) & set(repeated)):
         # A loaded model names the layers of two containers alike
         # (`enc/d/kernel` and `dec/d/kernel` both load as `d/kernel`).
-        raise ValueError(
+        raise InvalidArgumentError(
             f"The model has more than one variable at the path(s) "
             f"{repeated[:5]}, and assign_by_path places weights by path: "
             "give the layers distinct names (a loaded model's paths lack "
@@ -648,7 +649,7 @@ def assign_by_path(model, weights):
             "its layers).")
     doubt = posthoc.shadowed(weights, paths)
     if names is None and doubt:
-        raise KeyError(
+        raise UnknownVariableError(
             f"{len(doubt)} weight(s) at paths of the model could also be "
             f"other variables of it, which end with those paths: {doubt[:5]} "
             "(a load drops the names of the Sequential and functional "
@@ -656,7 +657,7 @@ def assign_by_path(model, weights):
             "distinct names.")
     if names is None:
         unknown = sorted(set(weights) - set(by_path))
-        raise KeyError(
+        raise UnknownVariableError(
             f"{len(unknown)} weight(s) name no variable of the model: "
             f"{unknown[:5]} (by path, or by path without the names of its "
             "model and of the models and wrappers nesting a layer, or with "
@@ -668,7 +669,7 @@ def assign_by_path(model, weights):
         var = by_path[names[path]]
         if tuple(var.shape) != tuple(np.shape(value)):
             named = "" if names[path] == path else f" ({var.path} here)"
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"Shape mismatch for {path}{named}: the model has "
                 f"{tuple(var.shape)}, the weights {tuple(np.shape(value))}."
             )

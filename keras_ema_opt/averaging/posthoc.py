@@ -106,10 +106,12 @@ def _read_meta(path):
         raise _snapshot_error(path, f"{type(e).__name__}: {e}") from e
     if not isinstance(meta, dict) or not isinstance(
             meta.get("step"), int) or not isinstance(
-            meta.get("gammas"), list):
+            meta.get("gammas"), list) or not all(
+            isinstance(g, (int, float)) and not isinstance(g, bool)
+            and np.isfinite(g) for g in meta["gammas"]):
         raise _snapshot_error(
             path, f"its metadata {meta!r} lacks an integer `step` and a "
-            "list of `gammas`")
+            "list of `gammas` (finite numbers)")
     every = meta.get("every", 1)  # written by every version since 2f21de0
     if isinstance(every, bool) or not isinstance(every, int) or every < 1:
         raise _snapshot_error(
@@ -475,6 +477,11 @@ def synthesize(directory, gamma, step=None):
     # the former one until its first update under the new). A snapshot
     # before the first update has no power-function profile to fit: EDM2
     # keeps the snapshots of 0 < t_i <= t.
+    if not os.path.isdir(directory):
+        raise InvalidArgumentError(
+            f"The snapshot folder {directory!r} does not exist"
+            + (" (it is a file)" if os.path.exists(directory) else "")
+            + ": give the `snapshot_dir` PowerEMA wrote its snapshots to.")
     index, end = [], 0
     for meta, path in _index(directory):
         end = max(end, profile_end(meta))

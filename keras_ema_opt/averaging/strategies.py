@@ -76,16 +76,22 @@ def _check_positive(name, value):
     return float(value)
 
 
+# EDM2's widest profile: the uniform average (gamma = 0) has relative
+# width 1/sqrt(12) = 0.288675...; a wider one has a negative exponent.
+_UNIFORM_WIDTH = 12 ** -0.5
+
+
 def _is_sigma_rel(value):
     return (not isinstance(value, bool) and isinstance(value, numbers.Real)
-            and 0 < value < 0.2886)
+            and 0 < value < _UNIFORM_WIDTH)
 
 
 def _check_sigma_rel(name, value):
     if not _is_sigma_rel(value):
         raise InvalidArgumentError(
-            f"`{name}` must be a number in (0, 0.2886) (0.2886 is the "
-            f"uniform average, gamma = 0). Received: {name}={value!r}")
+            f"`{name}` must be a number in (0, 1/sqrt(12) = 0.288675...) "
+            "(1/sqrt(12) is the uniform average, gamma = 0). Received: "
+            f"{name}={value!r}")
     return float(value)
 
 
@@ -391,10 +397,16 @@ class PowerEMA(Averaging):
         if not sigma_rels or not all(_is_sigma_rel(s) for s in sigma_rels):
             raise InvalidArgumentError(
                 "`sigma_rels` must be a non-empty sequence of numbers in "
-                "(0, 0.2886) (0.2886 is the uniform average, gamma = 0). "
-                f"Received: sigma_rels={sigma_rels!r}"
+                "(0, 1/sqrt(12) = 0.288675...) (1/sqrt(12) is the uniform "
+                f"average, gamma = 0). Received: sigma_rels={sigma_rels!r}"
             )
         sigma_rels = tuple(float(s) for s in sigma_rels)
+        if len(set(sigma_rels)) != len(sigma_rels):
+            raise InvalidArgumentError(
+                "`sigma_rels` must name each width once (a repeated width "
+                "keeps a second copy of the same average, and the post-hoc "
+                f"solve learns nothing from it). Received: "
+                f"sigma_rels={sigma_rels!r}")
         self.sigma_rels = sigma_rels
         self.gammas = tuple(schedules.sigma_rel_to_gamma(s)
                             for s in sigma_rels)
