@@ -333,6 +333,7 @@ class PowerEMASnapshots(keras.callbacks.Callback):
         self._optimizer = optimizer
         inner = getattr(optimizer, "inner_optimizer", optimizer)
         self._accumulation = inner.gradient_accumulation_steps or 1
+        self._first_epoch = True
 
     def _real_steps(self, micro_steps):
         return micro_steps // self._accumulation
@@ -347,6 +348,17 @@ class PowerEMASnapshots(keras.callbacks.Callback):
             keras.ops.convert_to_numpy(inner._iterations))
         self._done = self._real_steps(self._micro) // (
             self._optimizer.averaging.snapshot_every)
+        if self._first_epoch:
+            self._first_epoch = False
+            if self._micro == 0 and backend.is_chief():
+                # Training from the start (after any restore): whatever the
+                # folder holds is another run's, on any grid of steps.
+                from keras_ema_opt.averaging import posthoc
+
+                posthoc.set_aside(
+                    self._optimizer.averaging.snapshot_dir,
+                    why="this run starts at step 0, so they are another "
+                    "run's (the folder used again)")
 
     def on_train_batch_end(self, batch, logs=None):
         # `batch` is the last step of the call (several under

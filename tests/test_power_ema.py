@@ -217,10 +217,73 @@ def test_snapshot_steps_after_a_backup_listed_after_them_restores(tmp_path):
 
     with pytest.raises(RuntimeError, match="preempted"):
         fit(Preempt())
-    resumed = fit()
+    # The snapshot of step 12, written after the backup, is of a step the
+    # resumed run takes again: set aside as it writes step 9, then its own.
+    with pytest.warns(UserWarning, match=r"1 power-EMA snapshot\(s\) .* "
+                      r"\(steps 12\) are not this run's: it writes step 9"):
+        resumed = fit()
     steps = [int(re.search(r"(\d+)\.npz$", str(p)).group(1))
              for p in resumed.written]
     assert steps == [9, 12, 15, 18, 21, 24]
+    assert [p.name for p in snapshots.glob("superseded-*/*")] == [
+        "phema-000000012.npz"]
+
+
+def _snapshot_run(folder, target_sign, epochs):
+    """A fresh model trained toward ``target_sign`` times the sum of its
+    inputs, snapshots every 2 steps in ``folder``; the model."""
+    x = np.random.default_rng(0).normal(size=(16, 3)).astype("float32")
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
+    model.compile(optimizer=keras_ema_opt.SGD(
+        0.1, averaging=keras_ema_opt.PowerEMA(
+            snapshot_every=2, snapshot_dir=folder)), loss="mse")
+    model.fit(x, target_sign * x.sum(axis=1, keepdims=True), batch_size=4,
+              epochs=epochs, shuffle=False, verbose=0,
+              callbacks=[PowerEMASnapshots()])
+    return model
+
+
+def test_a_new_run_in_a_used_snapshot_folder_sets_the_old_aside(tmp_path):
+    # Run A writes 12 snapshots; run B, from step 0 toward the opposite
+    # target, writes 3 into the same folder. A's would have stayed beside
+    # B's (synthesize's last step then A's, its solve mixing both runs).
+    folder = tmp_path / "snapshots"
+    _snapshot_run(folder, 1.0, epochs=6)
+    assert len(list(folder.glob("phema-*.npz"))) == 12
+    with pytest.warns(UserWarning, match=r"12 power-EMA snapshot\(s\) .*"
+                      r"\(steps 2, 4, 6, \.\.\., 22, 24\) are not this "
+                      r"run's: this run starts at step 0"):
+        b = _snapshot_run(folder, -1.0, epochs=1)
+    assert sorted(p.name for p in folder.glob("phema-*.npz")) == [
+        "phema-000000002.npz", "phema-000000004.npz"]
+    [aside] = folder.glob("superseded-*")
+    assert len(list(aside.glob("phema-*.npz"))) == 12
+    # What synthesize reads is B's alone: its last snapshot's width-0.05
+    # average is B's own average, which A's steps would have outweighed.
+    weights = b.optimizer.averaging.synthesize(sigma_rel=0.05)
+    kernel = b.layers[0].kernel
+    np.testing.assert_allclose(
+        weights[kernel.path],
+        to_numpy(b.optimizer.average_of(kernel, slot=0)), rtol=1e-5)
+
+
+def test_a_snapshot_of_an_earlier_step_sets_the_later_ones_aside(tmp_path):
+    from keras_ema_opt.averaging import posthoc
+
+    for step in (10, 20, 30, 40):
+        posthoc.write_snapshot(tmp_path, step, [1.0], 1,
+                               {"0/w": np.full(2, step, "float32")})
+    # A run resumed at step 10 writes step 20 again: 30 and 40 are of the
+    # steps it takes again, and go; 10 stays, 20 is its own.
+    with pytest.warns(UserWarning, match=r"2 power-EMA snapshot\(s\) .* "
+                      r"\(steps 30, 40\).*it writes step 20"):
+        posthoc.write_snapshot(tmp_path, 20, [1.0], 1,
+                               {"0/w": np.full(2, -20, "float32")})
+    assert sorted(p.name for p in tmp_path.glob("phema-*.npz")) == [
+        "phema-000000010.npz", "phema-000000020.npz"]
+    assert sorted(p.name for p in tmp_path.glob("superseded-*/*")) == [
+        "phema-000000030.npz", "phema-000000040.npz"]
 
 
 @only_on("jax", "tensorflow")  # Keras runs steps_per_execution=1 on torch
@@ -781,7 +844,9 @@ def test_assign_by_path_into_the_model_built_again_in_the_process(
     again = _auto_named_model()
     assert not {v.path for v in again.weights} & set(weights)
     frozen_before = [to_numpy(v) for v in again.non_trainable_variables]
-    keras_ema_opt.averaging.assign_by_path(again, weights)
+    with pytest.warns(UserWarning, match="no statistics for the "
+                      "BatchNormalization"):  # snapshots of averages only
+        keras_ema_opt.averaging.assign_by_path(again, weights)
     for old, new in zip(first.trainable_variables,
                         again.trainable_variables):
         np.testing.assert_array_equal(to_numpy(new), weights[old.path])
@@ -818,6 +883,37 @@ def test_assign_by_path_renumbers_only_names_keras_gave(tmp_path):
     np.testing.assert_array_equal(to_numpy(other.layers[0].kernel),
                                   np.full((3, 3), 2.0))
     assert not np.any(to_numpy(other.layers[1].kernel) == 2.0)
+
+
+def test_assign_by_path_warns_of_statistics_it_leaves_as_built(tmp_path):
+    # Snapshots of the default PowerEMA hold no BatchNormalization
+    # statistics: a model built again would normalize with mean 0 and
+    # variance 1. Into the trained model (its own statistics) no warning.
+    rng = np.random.default_rng(0)
+    x = rng.normal(3.0, 2.0, size=(16, 3)).astype("float32")
+
+    def build():
+        return keras.Sequential([
+            keras.Input((3,)), keras.layers.Dense(4, name="d"),
+            keras.layers.BatchNormalization(name="bn"),
+            keras.layers.Dense(1, name="o")], name="net")
+
+    model = build()
+    model.compile(optimizer=keras_ema_opt.averaged(
+        keras.optimizers.SGD(0.01), averaging=keras_ema_opt.PowerEMA(
+            snapshot_every=2, snapshot_dir=str(tmp_path))), loss="mse")
+    model.fit(x, x.sum(axis=1, keepdims=True), batch_size=4, verbose=0,
+              callbacks=[PowerEMASnapshots()])
+    weights = model.optimizer.averaging.synthesize(sigma_rel=0.08)
+    with pytest.warns(UserWarning, match=r"no statistics for the "
+                      r"BatchNormalization layer\(s\) \['bn'\].*update_bn"):
+        keras_ema_opt.averaging.assign_by_path(build(), weights)
+    import warnings
+
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        keras_ema_opt.averaging.assign_by_path(model, weights)
+    assert not [w for w in seen if "assign_by_path" in str(w.message)]
 
 
 def test_renumbered_paths_shift_each_family_by_one_number():

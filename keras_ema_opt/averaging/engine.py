@@ -676,3 +676,30 @@ def assign_by_path(model, weights):
     for path, value in weights.items():
         var = by_path[names[path]]
         var.assign(ops.cast(value, var.dtype))
+    _warn_of_unmeasured_statistics(model, {id(by_path[t])
+                                           for t in names.values()})
+
+
+def _warn_of_unmeasured_statistics(model, assigned):
+    """Warn where a BatchNormalization layer of ``model`` took no weights
+    and holds the statistics it was built with (mean 0, variance 1): a
+    model built again, given averages without statistics."""
+    flatten = getattr(model, "_flatten_layers", None)
+    unmeasured = []
+    for layer in flatten(include_self=False) if flatten else ():
+        stats = [getattr(layer, name, None)
+                 for name in ("moving_mean", "moving_variance")]
+        if not isinstance(layer, keras.layers.BatchNormalization) or any(
+                v is None or id(v) in assigned for v in stats):
+            continue
+        mean, variance = (ops.convert_to_numpy(v) for v in stats)
+        if np.all(mean == 0) and np.all(variance == 1):
+            unmeasured.append(layer.name)
+    if unmeasured:
+        warnings.warn(
+            f"assign_by_path: the weights hold no statistics for the "
+            f"BatchNormalization layer(s) {unmeasured[:5]}, which keep "
+            "those they were built with (mean 0, variance 1): the model "
+            "would normalize with them. Run keras_ema_opt.update_bn(model, "
+            "data) for statistics of the averaged weights, or average the "
+            "statistics too (include_non_trainable=True).", stacklevel=3)

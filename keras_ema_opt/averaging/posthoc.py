@@ -66,9 +66,11 @@ def write_snapshot(directory, step, gammas, every, arrays):
 
     ``arrays`` maps ``"<slot>/<variable path>"`` to numpy arrays. Averages
     of a dtype numpy's ``.npz`` cannot read back (bfloat16) are written as
-    float32, which holds them exactly.
+    float32, which holds them exactly. Snapshots in ``directory`` of later
+    steps are not of this run (``set_aside``).
     """
     os.makedirs(directory, exist_ok=True)
+    set_aside(directory, after=int(step))
     path = os.path.join(directory, SNAPSHOT_PATTERN.format(step=int(step)))
     meta = {"step": int(step), "gammas": [float(g) for g in gammas],
             "every": int(every)}
@@ -80,6 +82,57 @@ def write_snapshot(directory, step, gammas, every, arrays):
                 json.dumps(meta).encode(), dtype=np.uint8), **arrays)
         _io.publish(tmp, path)
     return path
+
+
+def _snapshot_steps(directory):
+    """``{step: path}`` of the snapshot files in ``directory``, by name."""
+    found = {}
+    for path in glob.glob(os.path.join(directory, "phema-*.npz")):
+        match = re.fullmatch(r"phema-([0-9]+)\.npz", os.path.basename(path))
+        if match:
+            found[int(match.group(1))] = path
+    return found
+
+
+def set_aside(directory, after=-1, why=None):
+    """Move the snapshots of ``directory`` of steps after ``after`` (all of
+    them by default) to a folder of their own in it, with a warning;
+    returns that folder, or None where none was moved.
+
+    A run writes its snapshots in the order of its steps, so one of a later
+    step in its folder, as it writes another, is not of its own past: it is
+    another run's (a folder used again), or of the steps a run resumed from
+    an earlier checkpoint takes again. Left there, ``synthesize`` would mix
+    them into this run's solve (by default at the last step, theirs). They
+    go to ``superseded-<time>-<n>/``, which ``synthesize`` does not read.
+    """
+    import datetime
+    import warnings
+
+    later = sorted((step, path) for step, path in
+                   _snapshot_steps(directory).items() if step > after)
+    if not later:
+        return None
+    stamp = datetime.datetime.now(datetime.timezone.utc).strftime(
+        "%Y%m%dT%H%M%SZ")
+    n = 0
+    while os.path.exists(os.path.join(directory, f"superseded-{stamp}-{n}")):
+        n += 1
+    aside = os.path.join(directory, f"superseded-{stamp}-{n}")
+    os.makedirs(aside)
+    for _, path in later:
+        os.replace(path, os.path.join(aside, os.path.basename(path)))
+    steps = [step for step, _ in later]
+    shown = steps if len(steps) <= 6 else steps[:3] + ["..."] + steps[-2:]
+    warnings.warn(
+        f"{len(steps)} power-EMA snapshot(s) in {directory} (steps "
+        f"{', '.join(map(str, shown))}) are not this run's: "
+        + (why or f"it writes step {after}, and a run writes its snapshots "
+           "in order: they are another run's (the folder used again), or "
+           "of steps a run resumed from an earlier point takes again")
+        + f". Moved to {aside}, so that synthesize() reads this run's "
+        "alone.", stacklevel=3)
+    return aside
 
 
 def _storable(array):
