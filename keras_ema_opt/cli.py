@@ -318,7 +318,8 @@ def _parser():
     migrate = sub.add_parser(
         "migrate", help="turn a Keras 2 artifact (SavedModel, .h5, TF "
         "checkpoint) into a Keras 3 .keras file that resumes training")
-    migrate.add_argument("src", help="SavedModel dir, .h5, checkpoint prefix")
+    migrate.add_argument("src", help="SavedModel dir, .h5, tf_keras .keras "
+                         "file, checkpoint prefix or folder")
     migrate.add_argument("dst", help="the .keras file to write")
     migrate.add_argument("--model", metavar="MODULE:FUNCTION",
                          help="builds the Keras 3 model (bare checkpoints)")
@@ -331,10 +332,13 @@ def _parser():
     migrate.add_argument("--overwrite", action="store_true",
                          help="replace an existing destination (never the "
                          "source)")
-    migrate.add_argument("--quiet", action="store_true")
+    migrate.add_argument("--quiet", action="store_true",
+                         help="print no progress (errors and warnings "
+                         "still)")
     inspect = sub.add_parser(
         "inspect", help="print what a Keras 2 artifact holds")
-    inspect.add_argument("src")
+    inspect.add_argument("src", help="SavedModel dir, .h5, tf_keras .keras "
+                         "file, checkpoint prefix or folder")
     inspect.add_argument("--json", action="store_true", help="print JSON")
     sub.add_parser(
         "bench", help="benchmarks beside the peers (python -m benchmarks)",

@@ -1347,6 +1347,19 @@ class Optimizer(backend.OptimizerHooks, keras.optimizers.Optimizer):
         Args:
             var_list: Variables to overwrite; default: every averaged one.
             slot: Which average for strategies keeping several (PowerEMA).
+
+        Example:
+
+        ```python
+        import keras
+        import numpy as np
+        import keras_ema_opt
+
+        model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+        model.compile(optimizer=keras_ema_opt.SGD(use_ema=True), loss="mse")
+        model.fit(np.ones((4, 2)), np.ones((4, 1)), verbose=0)
+        model.optimizer.assign_averages()  # the model now holds its EMA
+        ```
         """
         averager = self._require_averages("assign_averages", slot)
         for var, i in engine.averaged_pairs(
@@ -1365,6 +1378,23 @@ class Optimizer(backend.OptimizerHooks, keras.optimizers.Optimizer):
             UnknownVariableError: a variable that is neither one the
                 optimizer was built with nor an averaged non-trainable one
                 (``include_non_trainable`` averages float variables only).
+
+        Example:
+
+        ```python
+        import keras
+        import numpy as np
+        import keras_ema_opt
+
+        model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+        model.compile(optimizer=keras_ema_opt.SGD(
+            averaging=keras_ema_opt.PowerEMA(sigma_rels=(0.05, 0.1))),
+            loss="mse")
+        model.fit(np.ones((4, 2)), np.ones((4, 1)), verbose=0)
+        kernel = model.layers[0].kernel
+        narrow = model.optimizer.average_of(kernel)          # width 0.05
+        wide = model.optimizer.average_of(kernel, slot=1)    # width 0.1
+        ```
         """
         averager = self._require_averages("average_of", slot)
         i = averager.index(self, variable)
@@ -1419,9 +1449,31 @@ class Optimizer(backend.OptimizerHooks, keras.optimizers.Optimizer):
         ``fit()`` users add the ``PowerEMASnapshots`` callback instead; a
         custom loop calls this every ``snapshot_every`` steps.
 
+        Args:
+            directory: The folder (default: the ``PowerEMA``'s
+                ``snapshot_dir``).
+
         Returns:
             The path of the snapshot file; ``None`` on a process that is
             not the chief of a multi-process run (the chief writes it).
+
+        Example:
+
+        ```python
+        import tempfile
+        import keras
+        import keras_ema_opt
+
+        folder = tempfile.mkdtemp()
+        w = keras.Variable([1.0, 2.0])
+        opt = keras_ema_opt.SGD(0.1, averaging=keras_ema_opt.PowerEMA(
+            snapshot_every=2, snapshot_dir=folder))
+        for step in range(1, 5):
+            opt.minimize(lambda: keras.ops.sum(w * w), [w])
+            if step % 2 == 0:
+                opt.save_snapshot()  # folder/phema-000000002.npz, ...
+        weights = opt.averaging.synthesize(sigma_rel=0.08)
+        ```
         """
         return self._require_averages("save_snapshot").save_snapshot(
             self, directory

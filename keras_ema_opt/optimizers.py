@@ -321,19 +321,32 @@ class AveragedLossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
 
     @property
     def averaging(self):
+        """The inner optimizer's averaging strategy."""
         return self.inner_optimizer.averaging
 
     def average_of(self, variable, slot=0):
+        """The inner optimizer's ``average_of``: the current average of
+        ``variable`` (see ``keras_ema_opt.Optimizer.average_of``)."""
         return self.inner_optimizer.average_of(variable, slot)
 
     def swap_average(self, model=None, slot=0):
+        """The inner optimizer's ``swap_average``: the averages in, the raw
+        values back on exit (see ``keras_ema_opt.Optimizer.swap_average``).
+        """
         return self.inner_optimizer.swap_average(model, slot)
 
     def assign_averages(self, var_list=None, slot=0):
+        """The inner optimizer's ``assign_averages``: the variables
+        overwritten with their averages (see
+        ``keras_ema_opt.Optimizer.assign_averages``)."""
         return self.inner_optimizer.assign_averages(var_list, slot)
 
     def save_snapshot(self, directory=None):
+        """The inner optimizer's ``save_snapshot`` (``PowerEMA``; see
+        ``keras_ema_opt.Optimizer.save_snapshot``)."""
         return self.inner_optimizer.save_snapshot(directory)
 
     def track_non_trainable(self, model):
+        """The inner optimizer's ``track_non_trainable`` (see
+        ``keras_ema_opt.Optimizer.track_non_trainable``)."""
         return self.inner_optimizer.track_non_trainable(model)

@@ -28,6 +28,7 @@ PUBLIC = [getattr(keras_ema_opt, n) for n in keras_ema_opt.__all__
     compat.from_legacy_config,
     keras_ema_opt.savedmodel.migrate,
     keras_ema_opt.savedmodel.inspect,
+    keras_ema_opt.savedmodel.LegacyRecord,
     keras_ema_opt.savedmodel.model_from_config,
     keras_ema_opt.savedmodel.restore_checkpoint,
     keras_ema_opt.savedmodel.verify_same,

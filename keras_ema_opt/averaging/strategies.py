@@ -449,6 +449,26 @@ class PowerEMA(Averaging):
         Raises:
             InvalidArgumentError: a ``step`` that is no snapshot's, and
                 snapshots that are damaged or do not come from one model.
+
+        Example:
+
+        ```python
+        import tempfile
+        import keras
+        import numpy as np
+        import keras_ema_opt
+
+        folder = tempfile.mkdtemp()
+        averaging = keras_ema_opt.PowerEMA(snapshot_every=2,
+                                           snapshot_dir=folder)
+        model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+        model.compile(optimizer=keras_ema_opt.SGD(averaging=averaging),
+                      loss="mse")
+        model.fit(np.ones((8, 2)), np.ones((8, 1)), batch_size=2, verbose=0,
+                  callbacks=[keras_ema_opt.callbacks.PowerEMASnapshots()])
+        weights = averaging.synthesize(sigma_rel=0.08)   # a width not kept
+        keras_ema_opt.averaging.assign_by_path(model, weights)
+        ```
         """
         from keras_ema_opt.averaging import posthoc
 

@@ -24,6 +24,8 @@ class Slot:
             belongs to.
         value: The array.
         name: The Keras 2 variable name of the slot, for messages.
+
+    See :class:`LegacyRecord`'s example.
     """
 
     slot: str
@@ -52,6 +54,8 @@ class OptimizerState:
             ``loss_scale``/``good_steps`` for a loss-scale optimizer).
         slots: Per-variable state, :class:`Slot` entries, the EMA averages
             included (slot ``"average"``).
+
+    See :class:`LegacyRecord`'s example.
     """
 
     kind: str
@@ -90,12 +94,42 @@ class LegacyRecord:
         training_config: The Keras 2 compile arguments, or ``None``.
         weights: ``{key: array}`` of the model's variables, in model order;
             the key is the object path in checkpoints and SavedModels
-            (``layer_with_weights-0/kernel``) and the variable name in h5
-            files (``d1/kernel``).
+            (``layer_with_weights-0/kernel``) and the dataset's path under
+            its layer's group in h5 files (``d1/d1/kernel``).
         names: ``{key: Keras 2 variable name}`` (``d1/kernel``), used to
             place the weights in a Keras 3 model.
         optimizer: :class:`OptimizerState` or ``None``.
         warnings: What the artifact lacks or what is not exact, in words.
+
+    Example (``keras_ema_opt.savedmodel.inspect`` returns one):
+
+    ```python
+    import os
+    import tempfile
+
+    import numpy as np
+    import tf_keras  # Keras 2, only to make an artifact for this example
+
+    import keras_ema_opt
+
+    old = tf_keras.Sequential([tf_keras.Input((3,)),
+                               tf_keras.layers.Dense(2, name="d")])
+    old.compile(optimizer=tf_keras.optimizers.Adam(), loss="mse")
+    old.train_on_batch(np.ones((4, 3)), np.ones((4, 2)))
+    path = os.path.join(tempfile.mkdtemp(), "old.h5")
+    old.save(path)
+
+    record = keras_ema_opt.savedmodel.inspect(path)
+    record.format                        # "h5"
+    assert record.names == {"d/d/kernel": "d/kernel", "d/d/bias": "d/bias"}
+    record.weights["d/d/kernel"].shape   # (3, 2), numpy
+    state = record.optimizer             # an OptimizerState
+    assert (state.kind, state.class_name, state.iterations) == (
+        "new", "Adam", 1)
+    assert state.slot_names() == ["m", "v"]
+    slot = state.slots[0]                # a Slot: Adam's m of d/kernel
+    assert (slot.slot, slot.weight) == ("m", "d/d/kernel")
+    ```
     """
 
     path: str
