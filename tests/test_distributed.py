@@ -91,6 +91,18 @@ def _resume_elsewhere(path, backend):
 # ---------------------------------------------------------------------------
 
 
+def _assert_bn_measured(results, replicas, global_batches):
+    """Every process's ``update_bn`` (each over its share of the data)
+    gave the statistics of all the shares' batches, float64 reference."""
+    want = common.bn_reference(replicas, global_batches)
+    for i, result in enumerate(results):
+        got = result["update_bn"]
+        assert got["seen"] == want["seen"] == 16, i
+        np.testing.assert_allclose(got["mean"], want["mean"], rtol=1e-6)
+        np.testing.assert_allclose(got["variance"], want["variance"],
+                                   rtol=1e-5)
+
+
 @pytest.fixture(scope="module")
 def torch_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("torch-dist")
@@ -123,6 +135,14 @@ def test_torch_ddp_fit_and_custom_loop_equal_one_process(torch_run):
                      f"custom loop, callable var_list, rank {rank['rank']}")
     # The same averages on every rank, bit for bit.
     assert ranks[0]["fit"]["averages"] == ranks[1]["fit"]["averages"]
+
+
+@only_on("torch")
+def test_torch_ddp_update_bn_measures_every_ranks_share(torch_run):
+    # Each rank normalizes by its own batches (DDP without SyncBatchNorm);
+    # the statistics are those of all ranks' batches, on every rank.
+    _, ranks = torch_run
+    _assert_bn_measured(ranks, 2, global_batches=False)
 
 
 @only_on("torch")
@@ -232,6 +252,17 @@ def test_tf_distribute_fit_and_custom_loop_equal_one_process(tf_runs, kind):
 
 
 @only_on("tensorflow")
+@pytest.mark.parametrize("kind,replicas", [("mirrored", 1),
+                                           ("multiworker", 2)])
+def test_tf_distribute_update_bn_measures_every_workers_share(
+        tf_runs, kind, replicas):
+    # One process (MirroredStrategy) measures all the data; each of two
+    # workers its share, and the statistics are those of both.
+    _, results = tf_runs[kind]
+    _assert_bn_measured(results, replicas, global_batches=False)
+
+
+@only_on("tensorflow")
 def test_tf_multiworker_only_the_chief_writes(tf_runs):
     _only_the_chief_wrote(*tf_runs["multiworker"], "averaged-worker0-1.keras")
 
@@ -299,6 +330,17 @@ def test_jax_distribution_fit_and_custom_loop_equal_one_device(jax_runs,
         assert result["sharded_alike"] == [True] * 4
         assert result["loop_sharded_alike"] == [True] * 4
     assert results[0]["fit"]["averages"] == results[-1]["fit"]["averages"]
+
+
+@only_on("jax")
+@pytest.mark.parametrize("mode,replicas", [("dataparallel", 1),
+                                           ("multiprocess", 2)])
+def test_jax_distribution_update_bn_measures_global_batches(jax_runs, mode,
+                                                            replicas):
+    # As in fit(), each process's batch is its share of one global batch,
+    # which the BatchNormalization normalizes by.
+    _, results = jax_runs[mode]
+    _assert_bn_measured(results, replicas, global_batches=True)
 
 
 @only_on("jax")

@@ -48,6 +48,11 @@ def update_bn(model, x, batch_size=None, steps=None):
     ``training=False``); a warning names them. If reading the data or the forward pass fails, the statistics
     are restored bit for bit before the error propagates.
 
+    In a multi-process run (``torch.distributed``, JAX processes, a
+    ``MultiWorkerMirroredStrategy``) every process calls it on its own
+    share of the data, with as many batches as the others, and each ends
+    with the statistics of all the shares (``docs/averaging.md``).
+
     Inside ``swap_average`` the recomputed statistics are swapped back out
     with the averages only when the averaging has
     ``include_non_trainable=True``; otherwise they stay in the model.
@@ -67,7 +72,8 @@ def update_bn(model, x, batch_size=None, steps=None):
             generator that never ends needs it).
 
     Returns:
-        The number of samples seen.
+        The number of samples seen (by every process of a multi-process
+        run).
 
     Raises:
         InvalidArgumentError: ``steps`` or ``batch_size`` is not a positive
@@ -259,6 +265,15 @@ def _measure(model, layers, calls, x, batch_size, steps):
             total += count * keras.ops.convert_to_numpy(
                 variable.value).astype("float64")
         seen += count
+    # Under a multi-process run, every process's batches: each measured
+    # its own share of the data (on JAX, its share of each global batch).
+    flat = backend.sum_over_processes(np.concatenate(
+        [np.ravel(total) for total in sums] + [np.array([seen], "float64")]))
+    start = 0
+    for total in sums:
+        total[...] = np.reshape(flat[start:start + total.size], total.shape)
+        start += total.size
+    seen = int(round(flat[-1]))
     if seen == 0:
         raise InvalidArgumentError(
             "update_bn: the data gave no samples. Received: "

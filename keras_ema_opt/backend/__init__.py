@@ -55,6 +55,11 @@ here. Each backend module provides the same set:
   call; TensorFlow: a ``tf.function``; PyTorch: eagerly, without
   autograd); ``on_pass()`` runs as each pass's Python runs (each trace,
   where compiled).
+- ``sum_over_processes(values)``: a float64 numpy array summed over the
+  processes of a multi-process run, which each join (PyTorch: an
+  all-reduce over the ``torch.distributed`` group; TensorFlow: over a
+  multi-worker strategy's workers; JAX: ``values`` itself, since
+  ``training_forward``'s batch is already the global one).
 - ``lerp_averages(pairs, weight, gated)``: the averaging update
   ``a <- a + weight (x - a)`` for the ``(average, variable)`` pairs a fast
   path takes (PyTorch: ``torch._foreach_lerp_`` by device and dtype;
@@ -113,6 +118,7 @@ lerp_averages = _impl.lerp_averages
 build_scope = _impl.build_scope
 training_forward = _impl.training_forward
 fit_failed = _impl.fit_failed
+sum_over_processes = _impl.sum_over_processes
 
 __all__ = [
     "NAME",
@@ -139,5 +145,6 @@ __all__ = [
     "lerp_averages",
     "build_scope",
     "training_forward",
+    "sum_over_processes",
     "fit_failed",
 ]

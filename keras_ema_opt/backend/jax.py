@@ -7,6 +7,7 @@ import weakref
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from keras.src.backend.common.stateless_scope import StatelessScope
 from keras.src.backend.common.stateless_scope import get_stateless_scope
 from keras.src.backend.common.stateless_scope import in_stateless_scope
@@ -334,14 +335,33 @@ def training_forward(model, on_pass):
         return values
 
     def run(inputs):
+        from keras.src.backend.jax.trainer import _distribute_data
+
+        # As Keras' fit() does: under a distribution, each process's batch
+        # is its share of one global batch (the normalization's batch).
         values = new_values(
             [v.value for v in model.trainable_variables],
             [v.value for v in model.non_trainable_variables],
-            inputs,
+            _distribute_data(inputs),
         )
         for variable, value in zip(model.non_trainable_variables, values):
             variable.assign(value)
     return run
+
+
+def sum_over_processes(values):
+    """The sum of ``values`` (a float64 numpy array) over the processes of
+    a multi-process JAX run (``jax.distributed``; an all-gather every
+    process joins); ``values`` itself in one process."""
+    if jax.process_count() == 1:
+        return values
+    from jax.experimental import multihost_utils
+
+    # As 32-bit words: JAX without x64 would round float64 to float32.
+    words = np.ascontiguousarray(values, np.float64).view(np.uint32)
+    gathered = np.asarray(multihost_utils.process_allgather(words))
+    return np.ascontiguousarray(gathered.reshape(
+        jax.process_count(), -1)).view(np.float64).sum(axis=0)
 
 
 def fit_failed():

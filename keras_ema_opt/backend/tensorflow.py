@@ -3,6 +3,8 @@
 import contextlib
 import weakref
 
+import numpy as np
+
 import tensorflow as tf
 from keras.src.backend.tensorflow.optimizer import TFOptimizer
 
@@ -221,6 +223,33 @@ def current_value(variable):
     with tf.init_scope():
         return tf.raw_ops.Snapshot(input=_tf_variable(variable).read_value())
 
+
+
+def sum_over_processes(values):
+    """The sum of ``values`` (a float64 numpy array) over the workers of
+    a multi-worker strategy (the current one, else the one an optimizer was
+    last made under): one replica of each worker gives its values, the
+    others zeros, and the strategy all-reduces them (every worker joins).
+    ``values`` itself outside a multi-worker run."""
+    strategy = tf.distribute.get_strategy()
+    if _task_resolver(strategy) is None:
+        strategy = next((s() for s in reversed(_MULTI_WORKER)
+                         if s() is not None), None)
+    if strategy is None or strategy.extended._num_workers <= 1:
+        return values
+    values = np.asarray(values, np.float64)
+    local = len(strategy.extended.worker_devices)
+
+    def give(context):
+        first = context.replica_id_in_sync_group % local == 0
+        return tf.constant(values if first else np.zeros_like(values))
+
+    with strategy.scope():
+        per_replica = strategy.experimental_distribute_values_from_function(
+            give)
+        total = strategy.reduce(tf.distribute.ReduceOp.SUM, per_replica,
+                                axis=None)
+    return np.asarray(total, np.float64)
 
 
 def is_chief():

@@ -3,6 +3,7 @@
 import functools
 import importlib
 
+import numpy as np
 import torch
 
 from keras_ema_opt.backend import _common
@@ -712,6 +713,21 @@ def sync_initial_state(optimizer, variables):
             dist.broadcast(value.data if hasattr(value, "data") else value,
                            src=0)
     return True
+
+
+def sum_over_processes(values):
+    """The sum of ``values`` (a float64 numpy array) over the ranks of a
+    running ``torch.distributed`` group (an all-reduce every rank joins),
+    in float64, on the group's device."""
+    if _world_size() == 1:
+        return values
+    dist = torch.distributed
+    device = "cpu"
+    if dist.get_backend() == "nccl":
+        device = torch.device("cuda", torch.cuda.current_device())
+    total = torch.as_tensor(np.asarray(values, np.float64), device=device)
+    dist.all_reduce(total, op=dist.ReduceOp.SUM)
+    return total.cpu().numpy()
 
 
 def is_chief():

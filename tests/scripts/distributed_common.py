@@ -70,6 +70,57 @@ def state(model):
     }
 
 
+def bn_data():
+    """The inputs ``update_bn`` measures: 16 samples of 3 features."""
+    rng = np.random.default_rng(7)
+    return rng.normal(2.0, 3.0, size=(16, 3)).astype("float32")
+
+
+def bn_update(replica, replicas):
+    """``update_bn`` of a model whose first layer is a BatchNormalization
+    (its statistics a function of the data alone), over this replica's
+    contiguous share of ``bn_data()`` in batches of ``GLOBAL_BATCH //
+    replicas``: what it measured."""
+    import keras
+
+    import keras_ema_opt
+
+    model = keras.Sequential([
+        keras.Input((3,)), keras.layers.BatchNormalization(name="bn"),
+        keras.layers.Dense(1, name="o")], name="bn_model")
+    share = bn_data().reshape(replicas, -1, 3)[replica]
+    seen = keras_ema_opt.update_bn(model, share,
+                                   batch_size=GLOBAL_BATCH // replicas)
+    bn = model.get_layer("bn")
+    return {"seen": seen,
+            "mean": np.asarray(keras.ops.convert_to_numpy(
+                bn.moving_mean), "float64").tolist(),
+            "variance": np.asarray(keras.ops.convert_to_numpy(
+                bn.moving_variance), "float64").tolist()}
+
+
+def bn_reference(replicas, global_batches):
+    """float64 numpy: the mean over batches, weighted by their sizes, of
+    each batch's mean and biased variance; the batches are each replica's
+    own (PyTorch, TensorFlow: what each process normalizes by) or, with
+    ``global_batches``, the replicas' batches of one step together (JAX:
+    one global batch)."""
+    shares = bn_data().astype("float64").reshape(replicas, -1, 3)
+    size = GLOBAL_BATCH // replicas
+    steps = shares.shape[1] // size
+    parts = [[share[b * size:(b + 1) * size] for b in range(steps)]
+             for share in shares]
+    if global_batches:
+        batches = [np.concatenate([p[b] for p in parts]) for b in
+                   range(steps)]
+    else:
+        batches = [batch for p in parts for batch in p]
+    n = sum(len(b) for b in batches)
+    mean = sum(len(b) * b.mean(axis=0) for b in batches) / n
+    variance = sum(len(b) * b.var(axis=0) for b in batches) / n
+    return {"seen": n, "mean": mean, "variance": variance}
+
+
 def write(path, data):
     with open(path, "w") as f:
         json.dump(data, f)

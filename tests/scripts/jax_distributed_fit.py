@@ -113,6 +113,8 @@ def main():
         loop.optimizer.minimize(loss, loop.trainable_variables)
     result["loop"] = common.state(loop)
     result["loop_sharded_alike"] = sharded_alike(loop)
+    result["update_bn"] = common.bn_update(
+        index, 2 if mode == "multiprocess" else 1)
     common.write(os.path.join(out, f"{mode}{index}.json"), result)
 
 

@@ -129,6 +129,8 @@ def main():
             lambda ctx, s=s: shard(ctx, s, 1))
         step(xs, ys)
     result["loop"] = common.state(loop)
+    result["update_bn"] = common.bn_update(
+        index, 2 if mode == "multiworker" else 1)
     common.write(os.path.join(out, f"{mode}{index}.json"), result)
 
 

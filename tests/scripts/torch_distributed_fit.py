@@ -69,6 +69,7 @@ def main(out):
 
         loop.optimizer.minimize(loss, lambda: loop.trainable_variables)
     result["loop_callable"] = common.state(loop)
+    result["update_bn"] = common.bn_update(rank, world)
     if rank == 0:
         # The chief loads alone while the group is up (no rank joins a
         # broadcast): the loaded weights replace whatever the build saw.
