@@ -1125,6 +1125,7 @@ class Optimizer(backend.OptimizerHooks, keras.optimizers.Optimizer):
             self._build_state(variables)
 
     def _build_state(self, variables):
+        backend.check_build(self)
         # The model's own non-trainable float variables (a frozen layer's
         # weights, normalization statistics) start the same everywhere
         # too, as DDP broadcasts a module's parameters and buffers.

@@ -55,6 +55,9 @@ here. Each backend module provides the same set:
   call; TensorFlow: a ``tf.function``; PyTorch: eagerly, without
   autograd); ``on_pass()`` runs as each pass's Python runs (each trace,
   where compiled).
+- ``check_build(optimizer)``: refuse, with a typed error, what this
+  backend cannot run, when the optimizer is built (TensorFlow: Keras'
+  gradient accumulation under a ``tf.distribute`` strategy).
 - ``sum_over_processes(values)``: a float64 numpy array summed over the
   processes of a multi-process run, which each join (PyTorch: an
   all-reduce over the ``torch.distributed`` group; TensorFlow: over a
@@ -119,6 +122,7 @@ build_scope = _impl.build_scope
 training_forward = _impl.training_forward
 fit_failed = _impl.fit_failed
 sum_over_processes = _impl.sum_over_processes
+check_build = _impl.check_build
 
 __all__ = [
     "NAME",
@@ -146,5 +150,6 @@ __all__ = [
     "build_scope",
     "training_forward",
     "sum_over_processes",
+    "check_build",
     "fit_failed",
 ]

@@ -101,6 +101,11 @@ def sync_initial_state(optimizer, variables):
     return False
 
 
+def check_build(optimizer):
+    """Nothing this backend refuses when an optimizer is built."""
+    del optimizer
+
+
 def sum_over_processes(values):
     """The sum of ``values`` (a float64 numpy array) over the processes of
     a multi-process run: ``values`` itself outside one."""

@@ -23,6 +23,7 @@ prepare_gradients = _common.prepare_gradients
 step_gradients = _common.step_gradients
 mark_step_made = _common.mark_step_made
 sync_initial_state = _common.sync_initial_state
+check_build = _common.check_build
 on_create = _common.on_create
 build_scope = _common.build_scope
 lerp_averages = _common.lerp_averages

@@ -225,6 +225,29 @@ def current_value(variable):
 
 
 
+def check_build(optimizer):
+    """Refuse Keras' gradient accumulation under a ``tf.distribute``
+    strategy, before it fails in the first step: Keras 3.15 accumulates in
+    an ``ops.cond`` around the update, which cannot hold the strategy's
+    cross-replica call ("merge_call called while defining a new graph"),
+    with any number of replicas; Keras' own optimizers fail the same way.
+    """
+    from keras_ema_opt.errors import InvalidArgumentError
+
+    steps = getattr(optimizer, "gradient_accumulation_steps", None)
+    if steps and tf.distribute.has_strategy():
+        strategy = tf.distribute.get_strategy()
+        raise InvalidArgumentError(
+            "gradient_accumulation_steps does not run under a tf.distribute "
+            "strategy in Keras 3.15 (its accumulation step is a cond around "
+            "the update, which cannot hold the strategy's cross-replica "
+            "call; Keras' own optimizers fail in their first step). "
+            f"Received: gradient_accumulation_steps={steps} under "
+            f"{type(strategy).__name__}. Accumulate on JAX or PyTorch "
+            "(tested under their distributions), or train with a larger "
+            "batch.")
+
+
 def sum_over_processes(values):
     """The sum of ``values`` (a float64 numpy array) over the workers of
     a multi-worker strategy (the current one, else the one an optimizer was

@@ -9,6 +9,7 @@ import torch
 from keras_ema_opt.backend import _common
 
 colocate_with = _common.no_placement
+check_build = _common.check_build
 build_scope = _common.build_scope
 chief_only_scope = _common.chief_only_scope
 assign_copy = _common.assign_copy

@@ -28,9 +28,10 @@ def local(replica, replicas, steps):
             np.concatenate([y[part] for _, y in data]))
 
 
-def make_model(seed=0, layout=None):
+def make_model(seed=0, layout=None, accumulate=None):
     """The MLP, compiled. ``seed`` sets its initial weights: replicas given
-    different seeds must still start from rank 0's (the shims' job)."""
+    different seeds must still start from rank 0's (the shims' job).
+    ``accumulate``: Keras' ``gradient_accumulation_steps``."""
     import keras
 
     import keras_ema_opt
@@ -43,7 +44,8 @@ def make_model(seed=0, layout=None):
     ], name="mlp")
     model.compile(optimizer=keras_ema_opt.Adam(
         learning_rate=0.01,
-        averaging=keras_ema_opt.EMA(0.9, warmup="power", finalize=False)),
+        averaging=keras_ema_opt.EMA(0.9, warmup="power", finalize=False),
+        gradient_accumulation_steps=accumulate),
         loss="mse")
     return model
 

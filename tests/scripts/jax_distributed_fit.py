@@ -115,6 +115,9 @@ def main():
     result["loop_sharded_alike"] = sharded_alike(loop)
     result["update_bn"] = common.bn_update(
         index, 2 if mode == "multiprocess" else 1)
+    accumulated = common.make_model(seed=20, accumulate=2)
+    fit(accumulated, range(common.STEPS))
+    result["accumulated"] = common.state(accumulated)
     common.write(os.path.join(out, f"{mode}{index}.json"), result)
 
 

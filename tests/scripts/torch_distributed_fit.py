@@ -70,6 +70,11 @@ def main(out):
         loop.optimizer.minimize(loss, lambda: loop.trainable_variables)
     result["loop_callable"] = common.state(loop)
     result["update_bn"] = common.bn_update(rank, world)
+    # Keras' gradient accumulation: each rank sums its own gradients, and
+    # the real step averages them over the ranks.
+    accumulated = common.make_model(seed=20 + rank, accumulate=2)
+    common.fit_steps(accumulated, range(common.STEPS), rank, world)
+    result["accumulated"] = common.state(accumulated)
     if rank == 0:
         # The chief loads alone while the group is up (no rank joins a
         # broadcast): the loaded weights replace whatever the build saw.
