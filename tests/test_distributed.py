@@ -399,6 +399,25 @@ def test_jax_distribution_update_bn_measures_global_batches(jax_runs, mode,
 
 
 @only_on("jax")
+def test_jax_snapshots_of_averages_sharded_over_processes(jax_runs,
+                                                          tmp_path):
+    # Each process holds half of every kernel's averages: the chief wrote
+    # them whole (every process gathers), as one device writes them.
+    out, results = jax_runs["multiprocess"]
+    assert [r["snapshots_written"] for r in results] == [
+        ["phema-000000002.npz", "phema-000000004.npz"], []]
+    common.snapshot_run(tmp_path)
+    for name in results[0]["snapshots_written"]:
+        with np.load(out / "snapshots" / name) as got, \
+                np.load(tmp_path / name) as want:
+            assert sorted(got.files) == sorted(want.files)
+            for key in want.files:
+                if key != "__meta__":
+                    np.testing.assert_allclose(got[key], want[key], **TOL,
+                                               err_msg=f"{name}: {key}")
+
+
+@only_on("jax")
 def test_jax_model_parallel_shards_as_the_layout_map_says(jax_runs):
     _, (result,) = jax_runs["modelparallel"]
     assert result["specs"] == {

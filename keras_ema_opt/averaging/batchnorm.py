@@ -258,8 +258,7 @@ def _measure(model, layers, calls, x, batch_size, steps):
     seen = 0
     forward = backend.training_forward(model, calls.start_pass)
     for inputs in _batches(x, batch_size, steps):
-        count = int(keras.tree.flatten(inputs)[0].shape[0])
-        forward(inputs)
+        count = forward(inputs)  # on JAX, the global batch's
         calls.note_first_pass()
         for total, variable in zip(sums, moments):
             total += count * keras.ops.convert_to_numpy(

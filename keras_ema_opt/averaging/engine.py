@@ -453,7 +453,8 @@ class Averager:
                     "(synthesize() gives them back by path): give the "
                     "layers or sub-models distinct names.")
             for index, slot in enumerate(slots):
-                arrays[f"{index}/{name}"] = ops.convert_to_numpy(slot.value)
+                # Whole, on every process (the chief writes it).
+                arrays[f"{index}/{name}"] = backend.host_array(slot.value)
         step = int(ops.convert_to_numpy(optimizer.iterations))
         if not backend.is_chief():
             return None  # the chief writes the same averages

@@ -54,15 +54,19 @@ here. Each backend module provides the same set:
   variables, compiled where the backend allows (JAX: a jitted stateless
   call; TensorFlow: a ``tf.function``; PyTorch: eagerly, without
   autograd); ``on_pass()`` runs as each pass's Python runs (each trace,
-  where compiled).
+  where compiled). It returns the number of samples of the batch the
+  pass normalized by (JAX, under a ``keras.distribution``: the global
+  batch that the processes' shares make, as in ``fit()``).
 - ``check_build(optimizer)``: refuse, with a typed error, what this
   backend cannot run, when the optimizer is built (TensorFlow: Keras'
   gradient accumulation under a ``tf.distribute`` strategy).
+- ``host_array(value)``: a numpy copy of a value, whole (JAX: an array
+  sharded over other processes' devices is gathered, a collective).
 - ``sum_over_processes(values)``: a float64 numpy array summed over the
   processes of a multi-process run, which each join (PyTorch: an
   all-reduce over the ``torch.distributed`` group; TensorFlow: over a
-  multi-worker strategy's workers; JAX: ``values`` itself, since
-  ``training_forward``'s batch is already the global one).
+  multi-worker strategy's workers; JAX: ``values`` itself, since every
+  process's ``training_forward`` measured the same global batch).
 - ``lerp_averages(pairs, weight, gated)``: the averaging update
   ``a <- a + weight (x - a)`` for the ``(average, variable)`` pairs a fast
   path takes (PyTorch: ``torch._foreach_lerp_`` by device and dtype;
@@ -123,6 +127,7 @@ training_forward = _impl.training_forward
 fit_failed = _impl.fit_failed
 sum_over_processes = _impl.sum_over_processes
 check_build = _impl.check_build
+host_array = _impl.host_array
 
 __all__ = [
     "NAME",
@@ -151,5 +156,6 @@ __all__ = [
     "training_forward",
     "sum_over_processes",
     "check_build",
+    "host_array",
     "fit_failed",
 ]

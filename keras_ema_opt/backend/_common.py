@@ -101,6 +101,20 @@ def sync_initial_state(optimizer, variables):
     return False
 
 
+def batch_size(inputs):
+    """The number of samples of a batch of model inputs (a structure)."""
+    import keras
+
+    return int(keras.tree.flatten(inputs)[0].shape[0])
+
+
+def host_array(value):
+    """A numpy copy of ``value``, whole."""
+    import keras
+
+    return keras.ops.convert_to_numpy(value)
+
+
 def check_build(optimizer):
     """Nothing this backend refuses when an optimizer is built."""
     del optimizer

@@ -340,29 +340,34 @@ def training_forward(model, on_pass):
 
         # As Keras' fit() does: under a distribution, each process's batch
         # is its share of one global batch (the normalization's batch).
+        inputs = _distribute_data(inputs)
         values = new_values(
             [v.value for v in model.trainable_variables],
             [v.value for v in model.non_trainable_variables],
-            _distribute_data(inputs),
+            inputs,
         )
         for variable, value in zip(model.non_trainable_variables, values):
             variable.assign(value)
+        return _common.batch_size(inputs)  # the global batch's
     return run
 
 
-def sum_over_processes(values):
-    """The sum of ``values`` (a float64 numpy array) over the processes of
-    a multi-process JAX run (``jax.distributed``; an all-gather every
-    process joins); ``values`` itself in one process."""
-    if jax.process_count() == 1:
-        return values
-    from jax.experimental import multihost_utils
+def host_array(value):
+    """A numpy copy of ``value``, whole: an array sharded over devices of
+    other processes (a ``ModelParallel`` layout across processes) is
+    gathered, a collective every process joins."""
+    if isinstance(value, jax.Array) and not value.is_fully_addressable:
+        from jax.experimental import multihost_utils
 
-    # As 32-bit words: JAX without x64 would round float64 to float32.
-    words = np.ascontiguousarray(values, np.float64).view(np.uint32)
-    gathered = np.asarray(multihost_utils.process_allgather(words))
-    return np.ascontiguousarray(gathered.reshape(
-        jax.process_count(), -1)).view(np.float64).sum(axis=0)
+        return np.asarray(multihost_utils.process_allgather(value,
+                                                            tiled=True))
+    return keras.ops.convert_to_numpy(value)
+
+
+def sum_over_processes(values):
+    """``values`` itself: under a JAX distribution every process measured
+    the global batches (``training_forward``), the same on each."""
+    return values
 
 
 def fit_failed():

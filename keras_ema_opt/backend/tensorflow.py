@@ -22,6 +22,7 @@ fit_failed = _common.fit_failed
 step_gradients = _common.step_gradients
 mark_step_made = _common.mark_step_made
 sync_initial_state = _common.sync_initial_state
+host_array = _common.host_array
 chief_only_scope = _common.chief_only_scope
 _tf_variable = _tf_cpu.tf_variable
 
@@ -399,4 +400,5 @@ def training_forward(model, on_pass):
 
     def run(inputs):
         graph(tf.nest.map_structure(tf.convert_to_tensor, inputs))
+        return _common.batch_size(inputs)
     return run

@@ -10,6 +10,7 @@ from keras_ema_opt.backend import _common
 
 colocate_with = _common.no_placement
 check_build = _common.check_build
+host_array = _common.host_array
 build_scope = _common.build_scope
 chief_only_scope = _common.chief_only_scope
 assign_copy = _common.assign_copy
@@ -30,6 +31,7 @@ def training_forward(model, on_pass):
         on_pass()
         with torch.no_grad():
             model(inputs, training=True)
+        return _common.batch_size(inputs)
     return run
 
 # Keras builds these multi-tensor (`torch._foreach_*`) classes when

@@ -72,6 +72,30 @@ def state(model):
     }
 
 
+def snapshot_run(folder):
+    """The MLP trained 4 steps on the global batches, PowerEMA snapshots
+    every 2 in ``folder``, as ``fit()`` with ``PowerEMASnapshots``; the
+    paths of the snapshots this process wrote."""
+    import keras
+
+    import keras_ema_opt
+
+    keras.utils.set_random_seed(30)
+    model = keras.Sequential([
+        keras.Input((6,)),
+        keras.layers.Dense(16, activation="relu", name="d1"),
+        keras.layers.Dense(2, name="d2"),
+    ], name="mlp")
+    model.compile(optimizer=keras_ema_opt.Adam(
+        0.01, averaging=keras_ema_opt.PowerEMA(
+            snapshot_every=2, snapshot_dir=str(folder))), loss="mse")
+    callback = keras_ema_opt.callbacks.PowerEMASnapshots()
+    x, y = local(0, 1, range(STEPS))
+    model.fit(x, y, batch_size=GLOBAL_BATCH, shuffle=False, verbose=0,
+              callbacks=[callback])
+    return callback.written
+
+
 def bn_data():
     """The inputs ``update_bn`` measures: 16 samples of 3 features."""
     rng = np.random.default_rng(7)

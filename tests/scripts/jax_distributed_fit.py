@@ -118,6 +118,21 @@ def main():
     accumulated = common.make_model(seed=20, accumulate=2)
     fit(accumulated, range(common.STEPS))
     result["accumulated"] = common.state(accumulated)
+    if mode == "multiprocess":
+        # Kernels sharded over the two processes' devices (the "model"
+        # axis spans them; each process feeds the whole batch): each
+        # process holds half of every kernel and average, and the chief's
+        # snapshots must hold them whole.
+        d = np.array(DEVICES).reshape(2, 2).T  # rows: one per process
+        mesh = keras.distribution.DeviceMesh((2, 2), ["batch", "model"], d)
+        layout = keras.distribution.LayoutMap(mesh)
+        layout[".*d1/kernel"] = (None, "model")
+        layout[".*d2/kernel"] = ("model", None)
+        keras.distribution.set_distribution(keras.distribution.ModelParallel(
+            layout_map=layout, batch_dim_name="batch",
+            auto_shard_dataset=False))
+        written = common.snapshot_run(os.path.join(out, "snapshots"))
+        result["snapshots_written"] = [os.path.basename(p) for p in written]
     common.write(os.path.join(out, f"{mode}{index}.json"), result)
 
 
