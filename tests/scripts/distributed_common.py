@@ -28,20 +28,25 @@ def local(replica, replicas, steps):
             np.concatenate([y[part] for _, y in data]))
 
 
-def make_model(seed=0, layout=None, accumulate=None):
-    """The MLP, compiled. ``seed`` sets its initial weights: replicas given
-    different seeds must still start from rank 0's (the shims' job).
-    ``accumulate``: Keras' ``gradient_accumulation_steps``."""
+def mlp(seed):
+    """The MLP, its initial weights from ``seed``."""
     import keras
 
-    import keras_ema_opt
-
     keras.utils.set_random_seed(seed)
-    model = keras.Sequential([
+    return keras.Sequential([
         keras.Input((6,)),
         keras.layers.Dense(16, activation="relu", name="d1"),
         keras.layers.Dense(2, name="d2"),
     ], name="mlp")
+
+
+def make_model(seed=0, layout=None, accumulate=None):
+    """The MLP, compiled. ``seed`` sets its initial weights: replicas given
+    different seeds must still start from rank 0's (the shims' job).
+    ``accumulate``: Keras' ``gradient_accumulation_steps``."""
+    import keras_ema_opt
+
+    model = mlp(seed)
     model.compile(optimizer=keras_ema_opt.Adam(
         learning_rate=0.01,
         averaging=keras_ema_opt.EMA(0.9, warmup="power", finalize=False),
@@ -76,16 +81,9 @@ def snapshot_run(folder):
     """The MLP trained 4 steps on the global batches, PowerEMA snapshots
     every 2 in ``folder``, as ``fit()`` with ``PowerEMASnapshots``; the
     paths of the snapshots this process wrote."""
-    import keras
-
     import keras_ema_opt
 
-    keras.utils.set_random_seed(30)
-    model = keras.Sequential([
-        keras.Input((6,)),
-        keras.layers.Dense(16, activation="relu", name="d1"),
-        keras.layers.Dense(2, name="d2"),
-    ], name="mlp")
+    model = mlp(30)
     model.compile(optimizer=keras_ema_opt.Adam(
         0.01, averaging=keras_ema_opt.PowerEMA(
             snapshot_every=2, snapshot_dir=str(folder))), loss="mse")

@@ -23,6 +23,25 @@ import torch.distributed as dist  # noqa: E402
 import distributed_common as common  # noqa: E402
 
 
+def custom_loop(rank, world, named):
+    """``minimize`` on this rank's share of each global batch, its
+    ``var_list`` a list (``named=list``) or a callable; the state."""
+    import keras
+
+    loop = common.make_model(seed=10 + rank)
+    var_list = (loop.trainable_variables if named is list
+                else (lambda: loop.trainable_variables))
+    for step in range(common.STEPS):
+        xs, ys = (keras.ops.convert_to_tensor(a)
+                  for a in common.local(rank, world, [step]))
+
+        def loss():
+            return keras.ops.mean(keras.ops.square(loop(xs) - ys))
+
+        loop.optimizer.minimize(loss, var_list)
+    return common.state(loop)
+
+
 def main(out):
     common.torch_group()
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -46,29 +65,11 @@ def main(out):
     result["fit"] = common.state(model)
     result["callback_wrote"] = [os.path.basename(p) for p in callback.saved]
 
-    loop = common.make_model(seed=10 + rank)
-    for step in range(common.STEPS):
-        xs, ys = (keras.ops.convert_to_tensor(a)
-                  for a in common.local(rank, world, [step]))
-
-        def loss():
-            return keras.ops.mean(keras.ops.square(loop(xs) - ys))
-
-        loop.optimizer.minimize(loss, loop.trainable_variables)
-    result["loop"] = common.state(loop)
+    result["loop"] = custom_loop(rank, world, named=list)
     # The same loop with a callable var_list, which names the variables
     # once the loss has run: the gradients of the first step are taken at
     # rank 0's weights too.
-    loop = common.make_model(seed=10 + rank)
-    for step in range(common.STEPS):
-        xs, ys = (keras.ops.convert_to_tensor(a)
-                  for a in common.local(rank, world, [step]))
-
-        def loss():
-            return keras.ops.mean(keras.ops.square(loop(xs) - ys))
-
-        loop.optimizer.minimize(loss, lambda: loop.trainable_variables)
-    result["loop_callable"] = common.state(loop)
+    result["loop_callable"] = custom_loop(rank, world, named=callable)
     result["update_bn"] = common.bn_update(rank, world)
     # Keras' gradient accumulation: each rank sums its own gradients, and
     # the real step averages them over the ranks.
