@@ -1238,15 +1238,20 @@ class Optimizer(backend.OptimizerHooks, keras.optimizers.Optimizer):
         return None if ref is None else ref()
 
     def _built_by_a_load(self):
-        """Whether Keras' ``compile_from_config`` (``load_model``) is
-        building this optimizer: the file's weights then replace those the
-        build sees, on every rank that loads it."""
+        """Whether Keras' ``compile_from_config``, called by Keras' own
+        deserialization (``load_model``), is building this optimizer: the
+        file's weights then replace those the build sees, on every rank
+        that loads it. A ``compile_from_config`` a user calls is no load.
+        """
         frame = sys._getframe(1)
         while frame is not None:
             if frame.f_code.co_name == "compile_from_config":
                 held = getattr(frame.f_locals.get("self"), "optimizer", None)
-                if held is self or getattr(held, "inner_optimizer",
-                                           None) is self:
+                caller = frame.f_back
+                if (held is self or getattr(held, "inner_optimizer",
+                                            None) is self) and (
+                        caller is not None and caller.f_code.co_name
+                        == "deserialize_keras_object"):
                     return True
             frame = frame.f_back
         return False
