@@ -926,7 +926,8 @@ class Optimizer(backend.OptimizerHooks, keras.optimizers.Optimizer):
         A callable ``var_list`` names its variables once the loss has made
         them: the optimizer is built after the first gradients, and where
         the build replaced the weights with rank 0's, the gradients are
-        computed again at them.
+        computed again at them (the loss then runs twice in that first
+        step, its side effects too).
         """
         if not self.built and not callable(var_list):
             var_list = list(var_list)
@@ -1087,6 +1088,9 @@ class Optimizer(backend.OptimizerHooks, keras.optimizers.Optimizer):
                 return self.apply(grads, trainable_variables)
             finally:
                 self.__dict__["_keo_in_step"] = False
+        if self.__dict__.get("_keo_check_at_step"):
+            backend.check_build(self)
+            del self.__dict__["_keo_check_at_step"]
         try:
             grads = backend.step_gradients(self, list(grads))
             grads = backend.prepare_gradients(grads)
@@ -1125,7 +1129,13 @@ class Optimizer(backend.OptimizerHooks, keras.optimizers.Optimizer):
             self._build_state(variables)
 
     def _build_state(self, variables):
-        backend.check_build(self)
+        loading = self._built_by_a_load()
+        if loading:
+            # A load may build what this backend cannot train (TensorFlow:
+            # accumulation under a strategy): refused at the first step.
+            self.__dict__["_keo_check_at_step"] = True
+        else:
+            backend.check_build(self)
         # The model's own non-trainable float variables (a frozen layer's
         # weights, normalization statistics) start the same everywhere
         # too, as DDP broadcasts a module's parameters and buffers.
@@ -1140,9 +1150,8 @@ class Optimizer(backend.OptimizerHooks, keras.optimizers.Optimizer):
         # Not in a load (`load_model` builds the optimizer in Keras'
         # `compile_from_config`, then puts the file's weights in): a chief
         # loading alone would wait for the other ranks' broadcast.
-        self.__dict__["_keo_synced_on_build"] = (
-            not self._built_by_a_load() and bool(
-                backend.sync_initial_state(self, list(variables) + frozen)))
+        self.__dict__["_keo_synced_on_build"] = not loading and bool(
+            backend.sync_initial_state(self, list(variables) + frozen))
         averager = None
         if self.averaging is not None:
             extras, model = (), None
@@ -1237,22 +1246,27 @@ class Optimizer(backend.OptimizerHooks, keras.optimizers.Optimizer):
         ref = self.__dict__.get("_tracked_model")
         return None if ref is None else ref()
 
-    def _built_by_a_load(self):
-        """Whether Keras' ``compile_from_config``, called by Keras' own
-        deserialization (``load_model``), is building this optimizer: the
-        file's weights then replace those the build sees, on every rank
-        that loads it. A ``compile_from_config`` a user calls is no load.
-        """
+    # Where Keras (and this package) load a model: a build under these
+    # frames is part of a load, whose weights come from the file.
+    _LOADERS = (("_model_from_config", "keras/src/saving/saving_lib.py"),
+                ("load_model_from_hdf5",
+                 "keras/src/legacy/saving/legacy_h5_format.py"),
+                ("load_legacy", "keras_ema_opt/savedmodel/__init__.py"))
+
+    @classmethod
+    def _built_by_a_load(cls):
+        """Whether the optimizer is being built by a load (Keras'
+        ``load_model`` of a ``.keras`` or ``.h5`` file, ``load_legacy``):
+        the file's weights then replace those the build sees, on every
+        process that loads it. A ``compile_from_config`` a user calls, or a
+        model deserialized from a config alone, is no load."""
         frame = sys._getframe(1)
         while frame is not None:
-            if frame.f_code.co_name == "compile_from_config":
-                held = getattr(frame.f_locals.get("self"), "optimizer", None)
-                caller = frame.f_back
-                if (held is self or getattr(held, "inner_optimizer",
-                                            None) is self) and (
-                        caller is not None and caller.f_code.co_name
-                        == "deserialize_keras_object"):
-                    return True
+            code = frame.f_code
+            path = code.co_filename.replace("\\", "/")
+            if any(code.co_name == name and path.endswith(file)
+                   for name, file in cls._LOADERS):
+                return True
             frame = frame.f_back
         return False
 

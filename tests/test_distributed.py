@@ -92,13 +92,14 @@ def _resume_elsewhere(path, backend):
 # ---------------------------------------------------------------------------
 
 
-def _assert_bn_measured(results, replicas, global_batches):
+def _assert_bn_measured(results, replicas, global_batches, key="update_bn",
+                        **reference):
     """Every process's ``update_bn`` (each over its share of the data)
     gave the statistics of all the shares' batches, float64 reference."""
-    want = common.bn_reference(replicas, global_batches)
+    want = common.bn_reference(replicas, global_batches, **reference)
     for i, result in enumerate(results):
-        got = result["update_bn"]
-        assert got["seen"] == want["seen"] == 16, i
+        got = result[key]
+        assert got["seen"] == want["seen"], i
         np.testing.assert_allclose(got["mean"], want["mean"], rtol=1e-6)
         np.testing.assert_allclose(got["variance"], want["variance"],
                                    rtol=1e-5)
@@ -161,6 +162,10 @@ def test_torch_ddp_update_bn_measures_every_ranks_share(torch_run):
     # the statistics are those of all ranks' batches, on every rank.
     _, ranks = torch_run
     _assert_bn_measured(ranks, 2, global_batches=False)
+    # Rank 0 alone (all_processes=False): its own share's statistics.
+    _assert_bn_measured(ranks[:1], 2, global_batches=False,
+                        key="update_bn_alone", only=0)
+    assert ranks[0]["update_bn_alone"]["seen"] == 8
 
 
 @only_on("torch")
@@ -306,6 +311,30 @@ def test_tf_gradient_accumulation_under_a_strategy_is_refused_at_build():
 
 
 @only_on("tensorflow")
+def test_tf_accumulating_model_loads_under_a_strategy(tmp_path):
+    # A load builds the optimizer too: under a strategy the model loads
+    # and predicts; training it is refused at its first step.
+    import tensorflow as tf
+
+    import keras_ema_opt
+    from keras_ema_opt.errors import InvalidArgumentError
+
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
+    model.compile(optimizer=keras_ema_opt.Adam(
+        gradient_accumulation_steps=2, averaging=keras_ema_opt.EMA(0.9)),
+        loss="mse")
+    model.fit(np.ones((8, 3)), np.ones((8, 1)), batch_size=4, verbose=0)
+    model.save(tmp_path / "m.keras")
+    with tf.distribute.MirroredStrategy(["/cpu:0"]).scope():
+        loaded = keras.saving.load_model(tmp_path / "m.keras")
+    np.testing.assert_allclose(loaded.predict(np.ones((2, 3)), verbose=0),
+                               model.predict(np.ones((2, 3)), verbose=0))
+    with pytest.raises(InvalidArgumentError, match="under MirroredStrategy"):
+        loaded.fit(np.ones((8, 3)), np.ones((8, 1)), batch_size=4,
+                   verbose=0)
+
+
+@only_on("tensorflow")
 def test_tf_multiworker_only_the_chief_writes(tf_runs):
     _only_the_chief_wrote(*tf_runs["multiworker"], "averaged-worker0-1.keras")
 
@@ -388,6 +417,16 @@ def test_jax_distribution_update_bn_measures_global_batches(jax_runs, mode,
     # which the BatchNormalization normalizes by.
     _, results = jax_runs[mode]
     _assert_bn_measured(results, replicas, global_batches=True)
+    if mode == "dataparallel":
+        # A batch the 4 devices cannot split (6, then a last 4) runs
+        # whole on each, as in one process.
+        _assert_bn_measured(results, 1, global_batches=True,
+                            key="update_bn_uneven", size=6)
+    else:
+        # Its variables span the processes: each must take part.
+        for result in results:
+            assert "call update_bn on every process" in result[
+                "update_bn_alone_refused"]
 
 
 @only_on("jax")

@@ -248,6 +248,8 @@ def test_update_bn_without_batch_norm_reads_no_data():
                             r"Received: batch_size='16' \(of type str\)"),
     (dict(batch_size=True), r"`batch_size` must be .* "
                             r"Received: batch_size=True \(of type bool\)"),
+    (dict(all_processes=1), r"`all_processes` must be True or False\. "
+                            r"Received: all_processes=1"),
 ])
 def test_update_bn_refuses_bad_counts(kwargs, message):
     model, x = _mlp(), _x()

@@ -19,7 +19,7 @@ from keras_ema_opt import backend
 from keras_ema_opt.errors import InvalidArgumentError
 
 
-def update_bn(model, x, batch_size=None, steps=None):
+def update_bn(model, x, batch_size=None, steps=None, all_processes=True):
     """Sets every BatchNormalization layer's statistics to their data average.
 
     Runs ``model`` in training mode over ``x`` and gives each trainable
@@ -51,7 +51,9 @@ def update_bn(model, x, batch_size=None, steps=None):
     In a multi-process run (``torch.distributed``, JAX processes, a
     ``MultiWorkerMirroredStrategy``) every process calls it on its own
     share of the data, with as many batches as the others, and each ends
-    with the statistics of all the shares (``docs/averaging.md``).
+    with the statistics of all the shares (``docs/averaging.md``); with
+    ``all_processes=False`` one process measures the data it is given
+    alone (on PyTorch and TensorFlow: the chief, say, before it saves).
 
     Inside ``swap_average`` the recomputed statistics are swapped back out
     with the averages only when the averaging has
@@ -70,6 +72,11 @@ def update_bn(model, x, batch_size=None, steps=None):
         batch_size: the batch size for arrays (default 32).
         steps: at most this many batches (default: all of ``x``; a
             generator that never ends needs it).
+        all_processes: in a multi-process run, whether every process
+            calls it, each on its share (a collective), or this process
+            alone on ``x``. Under a JAX distribution over several
+            processes the model's variables span them all, and every
+            process must call it.
 
     Returns:
         The number of samples seen (by every process of a multi-process
@@ -77,7 +84,9 @@ def update_bn(model, x, batch_size=None, steps=None):
 
     Raises:
         InvalidArgumentError: ``steps`` or ``batch_size`` is not a positive
-            integer, ``x`` yields no batch, or the model is not built.
+            integer, ``x`` yields no batch, the model is not built, or
+            ``all_processes=False`` under a JAX distribution over several
+            processes.
 
     Example:
 
@@ -99,6 +108,16 @@ def update_bn(model, x, batch_size=None, steps=None):
     """
     _check_count("steps", steps)
     _check_count("batch_size", batch_size)
+    if not isinstance(all_processes, bool):
+        raise InvalidArgumentError(
+            "update_bn: `all_processes` must be True or False. Received: "
+            f"all_processes={all_processes!r}")
+    if not all_processes and backend.forward_spans_processes():
+        raise InvalidArgumentError(
+            "update_bn(all_processes=False): under a JAX distribution over "
+            "several processes the model's variables span them all, and "
+            "its forward pass needs every process: call update_bn on every "
+            "process, each with its share of the data.")
     layers = _trainable_batch_norms(model)
     if not layers:
         return 0
@@ -110,7 +129,8 @@ def update_bn(model, x, batch_size=None, steps=None):
     momenta = [layer.momentum for layer in layers]
     calls = _Calls(layers)
     try:
-        seen = _measure(model, layers, calls, x, batch_size, steps)
+        seen = _measure(model, layers, calls, x, batch_size, steps,
+                        all_processes)
     except BaseException:
         _assign_all(before)
         raise
@@ -243,7 +263,7 @@ def _statistics(layers):
     return found
 
 
-def _measure(model, layers, calls, x, batch_size, steps):
+def _measure(model, layers, calls, x, batch_size, steps, all_processes):
     for layer in layers:
         # The first call of a pass has momentum 0 and leaves the batch's
         # own statistics in the moving ones; start from finite values,
@@ -266,8 +286,10 @@ def _measure(model, layers, calls, x, batch_size, steps):
         seen += count
     # Under a multi-process run, every process's batches: each measured
     # its own share of the data (on JAX, its share of each global batch).
-    flat = backend.sum_over_processes(np.concatenate(
-        [np.ravel(total) for total in sums] + [np.array([seen], "float64")]))
+    flat = np.concatenate(
+        [np.ravel(total) for total in sums] + [np.array([seen], "float64")])
+    if all_processes:
+        flat = backend.sum_over_processes(flat)
     start = 0
     for total in sums:
         total[...] = np.reshape(flat[start:start + total.size], total.shape)

@@ -17,6 +17,7 @@ the closed form ``<p_a, p_b> = (g_a + 1)(g_b + 1)(t_a / t_b)^e /
 
 import glob
 import itertools
+import math
 import json
 import os
 import re
@@ -160,8 +161,7 @@ def _read_meta(path):
     if not isinstance(meta, dict) or not isinstance(
             meta.get("step"), int) or not isinstance(
             meta.get("gammas"), list) or not all(
-            isinstance(g, (int, float)) and not isinstance(g, bool)
-            and np.isfinite(g) for g in meta["gammas"]):
+            _finite_number(g) for g in meta["gammas"]):
         raise _snapshot_error(
             path, f"its metadata {meta!r} lacks an integer `step` and a "
             "list of `gammas` (finite numbers)")
@@ -171,6 +171,15 @@ def _read_meta(path):
             path, f"its update interval `every` is {every!r}, not a "
             "positive integer")
     return meta
+
+
+def _finite_number(value):
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return False
+    try:
+        return math.isfinite(float(value))
+    except OverflowError:  # an integer beyond any float
+        return False
 
 
 def _read_arrays(path):

@@ -62,6 +62,9 @@ here. Each backend module provides the same set:
   gradient accumulation under a ``tf.distribute`` strategy).
 - ``host_array(value)``: a numpy copy of a value, whole (JAX: an array
   sharded over other processes' devices is gathered, a collective).
+- ``forward_spans_processes()``: whether a model's forward pass needs
+  every process of the run (JAX: under a distribution over several
+  processes, whose variables are global arrays).
 - ``sum_over_processes(values)``: a float64 numpy array summed over the
   processes of a multi-process run, which each join (PyTorch: an
   all-reduce over the ``torch.distributed`` group; TensorFlow: over a
@@ -128,6 +131,7 @@ fit_failed = _impl.fit_failed
 sum_over_processes = _impl.sum_over_processes
 check_build = _impl.check_build
 host_array = _impl.host_array
+forward_spans_processes = _impl.forward_spans_processes
 
 __all__ = [
     "NAME",
@@ -157,5 +161,6 @@ __all__ = [
     "sum_over_processes",
     "check_build",
     "host_array",
+    "forward_spans_processes",
     "fit_failed",
 ]

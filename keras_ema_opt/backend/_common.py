@@ -120,6 +120,12 @@ def check_build(optimizer):
     del optimizer
 
 
+def forward_spans_processes():
+    """Whether a forward pass needs every process (no: each runs its own
+    copy of the model)."""
+    return False
+
+
 def sum_over_processes(values):
     """The sum of ``values`` (a float64 numpy array) over the processes of
     a multi-process run: ``values`` itself outside one."""

@@ -339,8 +339,15 @@ def training_forward(model, on_pass):
         from keras.src.backend.jax.trainer import _distribute_data
 
         # As Keras' fit() does: under a distribution, each process's batch
-        # is its share of one global batch (the normalization's batch).
-        inputs = _distribute_data(inputs)
+        # is its share of one global batch (the normalization's batch). In
+        # one process, a batch the devices cannot split evenly (a last,
+        # shorter one) runs whole on each instead, as it did.
+        try:
+            inputs = _distribute_data(inputs)
+        except ValueError:
+            if jax.process_count() > 1:
+                raise
+            inputs = keras.tree.map_structure(jax.device_put, inputs)
         values = new_values(
             [v.value for v in model.trainable_variables],
             [v.value for v in model.non_trainable_variables],
@@ -357,11 +364,22 @@ def host_array(value):
     other processes (a ``ModelParallel`` layout across processes) is
     gathered, a collective every process joins."""
     if isinstance(value, jax.Array) and not value.is_fully_addressable:
+        if value.is_fully_replicated:  # whole on this process too
+            return np.asarray(value.addressable_data(0))
         from jax.experimental import multihost_utils
 
         return np.asarray(multihost_utils.process_allgather(value,
                                                             tiled=True))
     return keras.ops.convert_to_numpy(value)
+
+
+def forward_spans_processes():
+    """Whether a forward pass needs every process: under a distribution
+    over several processes, whose variables are global arrays."""
+    from keras.src.distribution import distribution_lib
+
+    return jax.process_count() > 1 and (
+        distribution_lib.distribution() is not None)
 
 
 def sum_over_processes(values):

@@ -23,6 +23,7 @@ step_gradients = _common.step_gradients
 mark_step_made = _common.mark_step_made
 sync_initial_state = _common.sync_initial_state
 host_array = _common.host_array
+forward_spans_processes = _common.forward_spans_processes
 chief_only_scope = _common.chief_only_scope
 _tf_variable = _tf_cpu.tf_variable
 
@@ -259,7 +260,8 @@ def sum_over_processes(values):
     if _task_resolver(strategy) is None:
         strategy = next((s() for s in reversed(_MULTI_WORKER)
                          if s() is not None), None)
-    if strategy is None or strategy.extended._num_workers <= 1:
+    if not isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy) \
+            or getattr(strategy.extended, "_num_workers", 1) <= 1:
         return values
     values = np.asarray(values, np.float64)
     local = len(strategy.extended.worker_devices)

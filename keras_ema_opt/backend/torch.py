@@ -11,6 +11,7 @@ from keras_ema_opt.backend import _common
 colocate_with = _common.no_placement
 check_build = _common.check_build
 host_array = _common.host_array
+forward_spans_processes = _common.forward_spans_processes
 build_scope = _common.build_scope
 chief_only_scope = _common.chief_only_scope
 assign_copy = _common.assign_copy

@@ -100,11 +100,11 @@ def bn_data():
     return rng.normal(2.0, 3.0, size=(16, 3)).astype("float32")
 
 
-def bn_update(replica, replicas):
+def bn_update(replica, replicas, size=None, **kwargs):
     """``update_bn`` of a model whose first layer is a BatchNormalization
     (its statistics a function of the data alone), over this replica's
-    contiguous share of ``bn_data()`` in batches of ``GLOBAL_BATCH //
-    replicas``: what it measured."""
+    contiguous share of ``bn_data()`` in batches of ``size`` (default
+    ``GLOBAL_BATCH // replicas``): what it measured."""
     import keras
 
     import keras_ema_opt
@@ -113,8 +113,8 @@ def bn_update(replica, replicas):
         keras.Input((3,)), keras.layers.BatchNormalization(name="bn"),
         keras.layers.Dense(1, name="o")], name="bn_model")
     share = bn_data().reshape(replicas, -1, 3)[replica]
-    seen = keras_ema_opt.update_bn(model, share,
-                                   batch_size=GLOBAL_BATCH // replicas)
+    seen = keras_ema_opt.update_bn(
+        model, share, batch_size=size or GLOBAL_BATCH // replicas, **kwargs)
     bn = model.get_layer("bn")
     return {"seen": seen,
             "mean": np.asarray(keras.ops.convert_to_numpy(
@@ -123,15 +123,18 @@ def bn_update(replica, replicas):
                 bn.moving_variance), "float64").tolist()}
 
 
-def bn_reference(replicas, global_batches):
+def bn_reference(replicas, global_batches, size=None, only=None):
     """float64 numpy: the mean over batches, weighted by their sizes, of
     each batch's mean and biased variance; the batches are each replica's
     own (PyTorch, TensorFlow: what each process normalizes by) or, with
     ``global_batches``, the replicas' batches of one step together (JAX:
-    one global batch)."""
+    one global batch). ``size``: as ``bn_update``'s; ``only``: one
+    replica's batches alone."""
     shares = bn_data().astype("float64").reshape(replicas, -1, 3)
-    size = GLOBAL_BATCH // replicas
-    steps = shares.shape[1] // size
+    if only is not None:
+        shares = shares[only:only + 1]
+    size = size or GLOBAL_BATCH // replicas
+    steps = -(-shares.shape[1] // size)
     parts = [[share[b * size:(b + 1) * size] for b in range(steps)]
              for share in shares]
     if global_batches:

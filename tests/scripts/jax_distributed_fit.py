@@ -115,6 +115,13 @@ def main():
     result["loop_sharded_alike"] = sharded_alike(loop)
     result["update_bn"] = common.bn_update(
         index, 2 if mode == "multiprocess" else 1)
+    if mode == "dataparallel":  # batches of 6, 6 and 4 on 4 devices
+        result["update_bn_uneven"] = common.bn_update(0, 1, size=6)
+    if mode == "multiprocess":
+        try:
+            common.bn_update(index, 2, all_processes=False)
+        except keras_ema_opt.errors.InvalidArgumentError as e:
+            result["update_bn_alone_refused"] = str(e)
     accumulated = common.make_model(seed=20, accumulate=2)
     fit(accumulated, range(common.STEPS))
     result["accumulated"] = common.state(accumulated)

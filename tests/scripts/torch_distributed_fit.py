@@ -71,6 +71,9 @@ def main(out):
     # rank 0's weights too.
     result["loop_callable"] = custom_loop(rank, world, named=callable)
     result["update_bn"] = common.bn_update(rank, world)
+    if rank == 0:  # alone, while rank 1 goes on (no collective)
+        result["update_bn_alone"] = common.bn_update(
+            rank, world, all_processes=False)
     # Keras' gradient accumulation: each rank sums its own gradients, and
     # the real step averages them over the ranks.
     accumulated = common.make_model(seed=20 + rank, accumulate=2)
