@@ -932,9 +932,8 @@ class Optimizer(backend.OptimizerHooks, keras.optimizers.Optimizer):
         if not self.built and not callable(var_list):
             var_list = list(var_list)
             self._build_for_minimize(var_list)
-        built = self.built
         grads_and_vars = self.compute_gradients(loss, var_list, tape)
-        if not built and not self.built and callable(var_list):
+        if not self.built:  # a callable var_list: its variables exist now
             self._build_for_minimize(list(var_list()))
             if self.__dict__.get("_keo_synced_on_build") and callable(loss):
                 grads_and_vars = self.compute_gradients(loss, var_list, tape)

@@ -284,17 +284,8 @@ def _measure(model, layers, calls, x, batch_size, steps, all_processes):
             total += count * keras.ops.convert_to_numpy(
                 variable.value).astype("float64")
         seen += count
-    # Under a multi-process run, every process's batches: each measured
-    # its own share of the data (on JAX, its share of each global batch).
-    flat = np.concatenate(
-        [np.ravel(total) for total in sums] + [np.array([seen], "float64")])
     if all_processes:
-        flat = backend.sum_over_processes(flat)
-    start = 0
-    for total in sums:
-        total[...] = np.reshape(flat[start:start + total.size], total.shape)
-        start += total.size
-    seen = int(round(flat[-1]))
+        seen = _sum_over_processes(sums, seen)
     if seen == 0:
         raise InvalidArgumentError(
             "update_bn: the data gave no samples. Received: "
@@ -311,6 +302,19 @@ def _measure(model, layers, calls, x, batch_size, steps, all_processes):
             layer.moving_stddev.assign(keras.ops.sqrt(
                 keras.ops.add(layer.moving_variance, layer.epsilon)))
     return seen
+
+
+def _sum_over_processes(sums, seen):
+    """Every process's batches of a multi-process run: ``sums`` summed in
+    place over the processes (each measured its own share of the data; on
+    JAX, the same global batches), and the total of ``seen``."""
+    flat = backend.sum_over_processes(np.concatenate(
+        [np.ravel(total) for total in sums] + [np.array([seen], "float64")]))
+    start = 0
+    for total in sums:
+        total[...] = np.reshape(flat[start:start + total.size], total.shape)
+        start += total.size
+    return int(round(flat[-1]))
 
 
 def _fill(variable, value):

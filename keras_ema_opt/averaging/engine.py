@@ -566,24 +566,6 @@ def model_variables(target):
     return list(target)
 
 
-def _families_named_by_keras(model):
-    """The names Keras gives the model's layers made without a name (their
-    class's, in snake case: ``dense`` of ``Dense``, and a
-    ``Bidirectional``'s ``forward_gru``), where a layer has such a name."""
-    from keras.src.utils import naming
-
-    from keras_ema_opt.averaging import posthoc
-
-    families = set()
-    flatten = getattr(model, "_flatten_layers", None)
-    for layer in flatten(include_self=True) if flatten else ():
-        own = naming.to_snake_case(type(layer).__name__)
-        family = posthoc._numbered(layer.name)[0]
-        if family in (own, "forward_" + own, "backward_" + own):
-            families.add(family)
-    return families
-
-
 def assign_by_path(model, weights):
     """Assign ``{variable path: array}`` to the variables of ``model``.
 
@@ -626,11 +608,12 @@ def assign_by_path(model, weights):
     paths = [v.path for v in variables]
     model_name = getattr(model, "name", None) or ""
     names = posthoc.align_paths(weights, paths, model_name=model_name)
-    if names is None and not posthoc.shadowed(weights, paths):
+    doubt = posthoc.shadowed(weights, paths)
+    if names is None and not doubt:
         # The same model built again in this process: Keras numbers the
         # names it gives layers itself anew (`dense` is now `dense_2`).
         maps = posthoc.renumbered(weights, paths, model_name,
-                                  _families_named_by_keras(model))
+                                  posthoc.keras_named_families(model))
         if len(maps) > 1:  # a frozen layer of the family: by shape
             maps = [m for m in maps if all(
                 tuple(by_path[t].shape) == tuple(np.shape(weights[k]))
@@ -648,7 +631,6 @@ def assign_by_path(model, weights):
             "give the layers distinct names (a loaded model's paths lack "
             "the names of the Sequential and functional models nesting "
             "its layers).")
-    doubt = posthoc.shadowed(weights, paths)
     if names is None and doubt:
         raise UnknownVariableError(
             f"{len(doubt)} weight(s) at paths of the model could also be "

@@ -15,12 +15,14 @@ the closed form ``<p_a, p_b> = (g_a + 1)(g_b + 1)(t_a / t_b)^e /
 ((g_a + g_b + 1) max(t_a, t_b))``, ``e = g_b if t_a < t_b else -g_a``.
 """
 
+import datetime
 import glob
 import itertools
-import math
 import json
+import math
 import os
 import re
+import warnings
 import zipfile
 
 import numpy as np
@@ -29,6 +31,7 @@ from keras_ema_opt import _io
 from keras_ema_opt.errors import InvalidArgumentError
 
 SNAPSHOT_PATTERN = "phema-{step:09d}.npz"
+_SNAPSHOT_GLOB = "phema-*.npz"
 
 
 def profile_inner_product(t_a, gamma_a, t_b, gamma_b):
@@ -88,7 +91,7 @@ def write_snapshot(directory, step, gammas, every, arrays):
 def _snapshot_steps(directory):
     """``{step: path}`` of the snapshot files in ``directory``, by name."""
     found = {}
-    for path in glob.glob(os.path.join(directory, "phema-*.npz")):
+    for path in glob.glob(os.path.join(directory, _SNAPSHOT_GLOB)):
         match = re.fullmatch(r"phema-([0-9]+)\.npz", os.path.basename(path))
         if match:
             found[int(match.group(1))] = path
@@ -107,9 +110,6 @@ def set_aside(directory, after=-1, why=None):
     them into this run's solve (by default at the last step, theirs). They
     go to ``superseded-<time>-<n>/``, which ``synthesize`` does not read.
     """
-    import datetime
-    import warnings
-
     later = sorted((step, path) for step, path in
                    _snapshot_steps(directory).items() if step > after)
     if not later:
@@ -124,16 +124,23 @@ def set_aside(directory, after=-1, why=None):
     for _, path in later:
         os.replace(path, os.path.join(aside, os.path.basename(path)))
     steps = [step for step, _ in later]
-    shown = steps if len(steps) <= 6 else steps[:3] + ["..."] + steps[-2:]
     warnings.warn(
         f"{len(steps)} power-EMA snapshot(s) in {directory} (steps "
-        f"{', '.join(map(str, shown))}) are not this run's: "
+        f"{', '.join(map(str, _elided(steps, 3, 2)))}) are not this run's: "
         + (why or f"it writes step {after}, and a run writes its snapshots "
            "in order: they are another run's (the folder used again), or "
            "of steps a run resumed from an earlier point takes again")
         + f". Moved to {aside}, so that synthesize() reads this run's "
         "alone.", stacklevel=3)
     return aside
+
+
+def _elided(items, head, tail):
+    """``items``, or their first ``head`` and last ``tail`` around an
+    ``"..."`` where there are more (for messages)."""
+    if len(items) <= head + tail + 1:
+        return list(items)
+    return list(items[:head]) + ["..."] + list(items[-tail:])
 
 
 def _storable(array):
@@ -194,7 +201,7 @@ def _index(directory, max_step=None):
     """``[(meta, path)]`` of the snapshots in ``directory`` (up to
     ``max_step``), sorted by step; reads only their metadata."""
     out = []
-    for path in sorted(glob.glob(os.path.join(directory, "phema-*.npz"))):
+    for path in sorted(glob.glob(os.path.join(directory, _SNAPSHOT_GLOB))):
         meta = _read_meta(path)
         if max_step is None or meta["step"] <= max_step:
             out.append((meta, path))
@@ -321,6 +328,23 @@ def _numbered(name):
     ``("dense", 0)`` of ``dense``, ``("dense", 3)`` of ``dense_3``."""
     match = re.fullmatch(r"(.+?)_([0-9]+)", name)
     return (match.group(1), int(match.group(2))) if match else (name, 0)
+
+
+def keras_named_families(model):
+    """The names Keras gives ``model``'s layers made without a name (their
+    class's, in snake case: ``dense`` of ``Dense``, and a
+    ``Bidirectional``'s ``forward_gru``), where a layer has such a name:
+    the ``families`` of ``renumbered``."""
+    from keras.src.utils import naming
+
+    families = set()
+    flatten = getattr(model, "_flatten_layers", None)
+    for layer in flatten(include_self=True) if flatten else ():
+        own = naming.to_snake_case(type(layer).__name__)
+        family = _numbered(layer.name)[0]
+        if family in (own, "forward_" + own, "backward_" + own):
+            families.add(family)
+    return families
 
 
 def renumbered(keys, targets, model_name, families, most=64):
@@ -558,7 +582,7 @@ def synthesize(directory, gamma, step=None):
     steps = [meta["step"] for meta, _, _ in index]
     if step is None:
         step = steps[-1]
-    shown = steps if len(steps) <= 8 else steps[:4] + ["..."] + steps[-3:]
+    shown = _elided(steps, 4, 3)
     is_step = not isinstance(step, (bool, np.bool_)) and isinstance(
         step, (int, np.integer))
     if is_step and int(step) in early:

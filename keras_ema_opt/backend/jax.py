@@ -24,6 +24,9 @@ step_gradients = _common.step_gradients
 mark_step_made = _common.mark_step_made
 sync_initial_state = _common.sync_initial_state
 check_build = _common.check_build
+# `values` itself: under a JAX distribution every process measured the
+# same global batches (`training_forward`).
+sum_over_processes = _common.sum_over_processes
 on_create = _common.on_create
 build_scope = _common.build_scope
 lerp_averages = _common.lerp_averages
@@ -380,12 +383,6 @@ def forward_spans_processes():
 
     return jax.process_count() > 1 and (
         distribution_lib.distribution() is not None)
-
-
-def sum_over_processes(values):
-    """``values`` itself: under a JAX distribution every process measured
-    the global batches (``training_forward``), the same on each."""
-    return values
 
 
 def fit_failed():

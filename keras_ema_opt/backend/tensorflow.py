@@ -4,7 +4,6 @@ import contextlib
 import weakref
 
 import numpy as np
-
 import tensorflow as tf
 from keras.src.backend.tensorflow.optimizer import TFOptimizer
 
