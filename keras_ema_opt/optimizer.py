@@ -850,19 +850,22 @@ class Optimizer(backend.OptimizerHooks, keras.optimizers.Optimizer):
         target = ref_shape if shape is None else tuple(shape)
         if initial_value is not None:
             initializer = _value_initializer(initial_value, target, ref)
-        if target == ref_shape:
-            return super().add_variable_from_reference(
-                ref, name=prefix, initializer=initializer
-            )
-        path = getattr(ref, "path", None) or str(ref.name)
-        with backend.colocate_with(ref):
-            return self.add_variable(
-                shape=target,
-                dtype=ref.dtype,
-                initializer=initializer,
-                name=f"{path.replace('/', '_').replace(':', '_')}_"
-                f"{prefix or 'var'}",
-            )
+        # TensorFlow names the variable by its kind alone (its cached
+        # kernel is shared): the backend hook's docstring.
+        with backend.state_variable_role(prefix or "var"):
+            if target == ref_shape:
+                return super().add_variable_from_reference(
+                    ref, name=prefix, initializer=initializer
+                )
+            path = getattr(ref, "path", None) or str(ref.name)
+            with backend.colocate_with(ref):
+                return self.add_variable(
+                    shape=target,
+                    dtype=ref.dtype,
+                    initializer=initializer,
+                    name=f"{path.replace('/', '_').replace(':', '_')}_"
+                    f"{prefix or 'var'}",
+                )
 
     def _check_variables_are_known(self, variables):
         for v in variables:

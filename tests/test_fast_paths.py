@@ -476,6 +476,61 @@ def test_tf_step_that_builds_the_optimizer_lifts_its_state(averaging,
                                average, rtol=1e-5, atol=1e-6)
 
 
+@only_on("tensorflow")
+@pytest.mark.parametrize("make", ["ours", "averaged"])
+def test_tf_state_variables_are_named_by_their_kind(make, tmp_path):
+    """TensorFlow caches an eager ``VarHandleOp``'s kernel per variable name
+    (about 36 kB each, for the process's life): each slot and average is
+    named by its kind alone in TensorFlow, so those of one shape share one
+    (``benchmarks``' peak memory), and keeps its Keras name and path. Each
+    is still its own variable, and a save and load round trip restores
+    each."""
+    import tensorflow as tf
+
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(3),
+                              keras.layers.Dense(3)])
+    if make == "ours":
+        opt = keras_ema_opt.AdamW(0.01, averaging=keras_ema_opt.EMA(0.9))
+        kinds = {"momentum", "velocity", "average"}
+    else:
+        opt = keras_ema_opt.averaged(keras.optimizers.Lion(0.01),
+                                     keras_ema_opt.PowerEMA())
+        kinds = {"momentum", "average_0", "average_1"}
+    opt.build(model.trainable_variables)
+    slots = [v for v in opt.variables
+             if v.path.split("/")[-1].startswith("sequential_dense")]
+    assert len(slots) == 4 * len(kinds)
+    for v in slots:
+        kind = next(k for k in kinds if v.name.endswith("_" + k))
+        assert v.value.name == f"{opt.name}/{kind}:0", v.value.name
+        assert v.path == f"{opt.name}/{v.name}"
+        assert v.name.startswith("sequential_dense")
+    # Variables of one name and shape are distinct resources.
+    same = [v for v in slots if v.shape == slots[0].shape
+            and v.value.name == slots[0].value.name]
+    assert len(same) == 2
+    same[0].assign(np.full(same[0].shape, 7.0, "float32"))
+    assert not np.any(to_numpy(same[1]) == 7.0)
+    # A fit, then a save and load round trip.
+    model.compile(optimizer=opt, loss="mse")
+    x = np.random.default_rng(1).normal(size=(16, 3)).astype("float32")
+    model.fit(x, x, epochs=2, batch_size=8, verbose=0)
+    path = os.path.join(tmp_path, "m.keras")
+    model.save(path)
+    loaded = keras.saving.load_model(path)
+    assert len(loaded.optimizer.variables) == len(opt.variables)
+    for v, saved in zip(loaded.optimizer.variables, opt.variables):
+        assert v.name.split("_")[-1] == saved.name.split("_")[-1]
+        np.testing.assert_array_equal(to_numpy(v), to_numpy(saved))
+    # In a graph a variable's name is its identity: left as Keras has it.
+    from keras_ema_opt import backend
+
+    with tf.Graph().as_default(), backend.state_variable_role("momentum"):
+        graph_var = tf.Variable(1.0, name="dense_kernel_momentum")
+    assert graph_var.name == "dense_kernel_momentum:0"
+
+
 def _buffer_address(variable):
     value = variable.value
     if BACKEND == "jax":

@@ -425,6 +425,27 @@ def test_synthesis_names_a_damaged_or_foreign_snapshot(tmp_path):
     assert "__meta__" in good
 
 
+def test_synthesis_names_a_snapshot_of_a_diverged_run(tmp_path):
+    from keras_ema_opt.averaging import posthoc
+
+    averaging, _, w = _trained_snapshots(tmp_path)
+    # The run diverged after step 40: its averages turned NaN, then inf.
+    for step, bad in ((60, np.nan), (80, np.inf)):
+        value = np.ones((3, 2), "float32")
+        value[1, 0] = bad
+        posthoc.write_snapshot(tmp_path, step, averaging.gammas, 1, {
+            "0/" + w.path: np.ones((3, 2), "float32"),
+            "1/" + w.path: value})
+    with pytest.raises(ValueError, match=r"Snapshot variable '"
+                       + re.escape(w.path) + r"' \(slot 1\) holds NaN or "
+                       r"infinite values in .*phema-0+60.npz \(step 60\)"
+                       r".*`step=40` reconstructs from them alone"):
+        averaging.synthesize(0.08)
+    with pytest.raises(ValueError, match=r"phema-0+60.npz"):
+        averaging.synthesize(0.08, step=60)
+    assert np.isfinite(averaging.synthesize(0.08, step=40)[w.path]).all()
+
+
 def test_snapshot_of_bfloat16_averages_reads_back(tmp_path):
     averaging, opt, w = _trained_snapshots(tmp_path, dtype="bfloat16")
     stored = np.load(tmp_path / "phema-000000040.npz")

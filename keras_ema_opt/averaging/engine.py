@@ -114,7 +114,7 @@ class Averager:
 
         path = (getattr(var, "path", None) or str(var.name)).replace(
             "/", "_").replace(":", "_")
-        with backend.colocate_with(var):
+        with backend.colocate_with(var), backend.state_variable_role(suffix):
             return optimizer.add_variable(
                 tuple(var.shape),
                 dtype=dtype,

@@ -528,6 +528,19 @@ def _without_containers(keys, targets, whole):
     return pairs
 
 
+def _non_finite(name, slot, meta, path, index):
+    """The error for a snapshot average that is NaN or infinite (a run
+    that diverged): every reconstruction it takes part in is, too."""
+    before = [m["step"] for m, _, _ in index if m["step"] < meta["step"]]
+    hint = (f" The snapshots before it are finite: `step={before[-1]}` "
+            "reconstructs from them alone." if before else "")
+    return InvalidArgumentError(
+        f"Snapshot variable {name!r} (slot {slot}) holds NaN or infinite "
+        f"values in {path} (step {meta['step']}): the training had "
+        "diverged by then, and any reconstruction from it would be NaN."
+        + hint)
+
+
 def synthesize(directory, gamma, step=None):
     """The weights of a power EMA of exponent ``gamma`` at ``step``.
 
@@ -554,8 +567,8 @@ def synthesize(directory, gamma, step=None):
 
     Raises:
         InvalidArgumentError: a step that is not a snapshot's, no snapshots,
-            a damaged file, or snapshots that do not come from one model
-            (each named).
+            a damaged file, snapshots that do not come from one model, or
+            a snapshot holding NaN or infinite averages (each named).
     """
     # Each snapshot's profile ends at its averages' last update
     # (`profile_end`), never before an earlier snapshot's (a run resumed
@@ -644,7 +657,10 @@ def synthesize(directory, gamma, step=None):
                         f"{arrays[key].shape} in {path} and {shape} in "
                         f"{last_path}: the snapshots do not come from one "
                         "model.")
-                totals[name] += x[k] * arrays[key].astype(np.float64)
+                value = arrays[key].astype(np.float64)
+                if not np.isfinite(value).all():
+                    raise _non_finite(name, slot, meta, path, index)
+                totals[name] += x[k] * value
             k += 1
         del arrays
     return {name: total.astype(np.float32) for name, total in totals.items()}

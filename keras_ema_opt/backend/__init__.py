@@ -46,6 +46,11 @@ here. Each backend module provides the same set:
   which builds the optimizer on its first call, as Keras' ``fit()`` does
   without a strategy, is traced once and does not check every variable's
   initialization at each later call).
+- ``state_variable_role(role)``: the context a slot or an average named
+  after its model variable is created in; ``role`` is its kind
+  (``"momentum"``, ``"average"``). TensorFlow names the variable by its
+  role alone: an eager ``VarHandleOp`` is cached per distinct name, about
+  36 kB a variable when each has its own.
 - ``fit_failed()``: whether ``finalize_variable_values`` is being called
   by a ``fit()`` ending in an exception (JAX's ``fit()`` calls it from a
   ``finally`` block; the others only after their epochs).
@@ -126,6 +131,7 @@ on_create = _impl.on_create
 chief_only_scope = _impl.chief_only_scope
 lerp_averages = _impl.lerp_averages
 build_scope = _impl.build_scope
+state_variable_role = _impl.state_variable_role
 training_forward = _impl.training_forward
 fit_failed = _impl.fit_failed
 sum_over_processes = _impl.sum_over_processes
@@ -157,6 +163,7 @@ __all__ = [
     "chief_only_scope",
     "lerp_averages",
     "build_scope",
+    "state_variable_role",
     "training_forward",
     "sum_over_processes",
     "check_build",

@@ -23,6 +23,13 @@ def build_scope():
     return contextlib.nullcontext()
 
 
+def state_variable_role(role):
+    """Where a slot or an average of the kind ``role`` is created: as it
+    is (its framework names it as Keras does)."""
+    del role
+    return contextlib.nullcontext()
+
+
 def assign_copy(optimizer, variable, value):
     """``variable <- value`` through a fresh buffer.
 

@@ -29,6 +29,7 @@ check_build = _common.check_build
 sum_over_processes = _common.sum_over_processes
 on_create = _common.on_create
 build_scope = _common.build_scope
+state_variable_role = _common.state_variable_role
 lerp_averages = _common.lerp_averages
 
 

@@ -118,6 +118,31 @@ def build_scope():
     return contextlib.nullcontext()
 
 
+@contextlib.contextmanager
+def state_variable_role(role):
+    """Name the ``tf.Variable`` of a slot or an average made eagerly here
+    by its kind (``role``: ``"momentum"``, ``"average"``) alone; its
+    ``keras.Variable`` keeps its name and path (``dense_kernel_momentum``).
+
+    TensorFlow caches each eager op's kernel by its attributes, and a
+    ``VarHandleOp`` carries the variable's name (``debug_name``): one
+    cached kernel per name, about 36 kB that stays for the process's life.
+    Keras names a slot after its model variable, so every slot has one of
+    its own (36 MB for Adam with an average over 330 model variables,
+    whatever their size). By their kind, the slots of one shape share it,
+    as the layers' own ``kernel`` and ``bias`` variables do. In a graph
+    (a ``tf.function``, where a name is a variable's identity) the name is
+    left as it is.
+    """
+    def creator(next_creator, **kwargs):
+        if tf.executing_eagerly():
+            kwargs["name"] = role
+        return next_creator(**kwargs)
+
+    with tf.variable_creator_scope(creator):
+        yield
+
+
 def resolve_jit_compile(requested):
     """Keras 2's rule: XLA only where a GPU is present (it helps only there)."""
     return bool(requested and tf.config.list_physical_devices("GPU"))

@@ -13,6 +13,7 @@ check_build = _common.check_build
 host_array = _common.host_array
 forward_spans_processes = _common.forward_spans_processes
 build_scope = _common.build_scope
+state_variable_role = _common.state_variable_role
 chief_only_scope = _common.chief_only_scope
 assign_copy = _common.assign_copy
 value_visible = _common.value_visible
