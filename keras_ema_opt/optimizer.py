@@ -850,7 +850,7 @@ class Optimizer(backend.OptimizerHooks, keras.optimizers.Optimizer):
         target = ref_shape if shape is None else tuple(shape)
         if initial_value is not None:
             initializer = _value_initializer(initial_value, target, ref)
-        # TensorFlow names the variable by its kind alone (its cached
+        # TensorFlow makes the variable under its kind alone (its cached
         # kernel is shared): the backend hook's docstring.
         with backend.state_variable_role(prefix or "var"):
             if target == ref_shape:

@@ -269,8 +269,16 @@ def test_tf_distribute_fit_and_custom_loop_equal_one_process(tf_runs, kind):
         assert result["init"] == results[0]["init"]  # worker 1: seed 1
         _assert_same(result["fit"], fit, f"{kind} fit, worker {i}")
         _assert_same(result["loop"], loop, f"{kind} custom loop, worker {i}")
-        # Averages and slots are mirrored beside their variables.
+        # Averages and slots are mirrored beside their variables, each
+        # replica under its own name.
         assert result["placement"] == [True] * 4
+        names = result["state_names"]
+        assert len(names) >= 12
+        parts = [part for _, replicas in names for part in replicas]
+        local = 2 if kind == "mirrored" else 1  # replicas in the process
+        assert len(set(parts)) == len(parts) == local * len(names)
+        for name, replicas in names:
+            assert all(f"/{name}" in part for part in replicas), replicas
     assert results[0]["fit"]["averages"] == results[-1]["fit"]["averages"]
 
 

@@ -478,15 +478,25 @@ def test_tf_step_that_builds_the_optimizer_lifts_its_state(averaging,
 
 @only_on("tensorflow")
 @pytest.mark.parametrize("make", ["ours", "averaged"])
-def test_tf_state_variables_are_named_by_their_kind(make, tmp_path):
+def test_tf_state_variables_are_made_under_their_kind(make, tmp_path,
+                                                     monkeypatch):
     """TensorFlow caches an eager ``VarHandleOp``'s kernel per variable name
-    (about 36 kB each, for the process's life): each slot and average is
-    named by its kind alone in TensorFlow, so those of one shape share one
-    (``benchmarks``' peak memory), and keeps its Keras name and path. Each
-    is still its own variable, and a save and load round trip restores
-    each."""
+    (its ``debug_name``; about 36 kB each, for the process's life): each
+    slot and average is made under its kind alone, so those of one shape
+    share one (``benchmarks``' peak memory). The ``tf.Variable`` then has
+    its own name back (TF1's name-keyed ``Saver`` refuses two of one
+    name), and the ``keras.Variable`` its name and path. Each is its own
+    variable, and a save and load round trip restores each."""
     import tensorflow as tf
+    from tensorflow.python.ops import gen_resource_variable_ops as ops
 
+    made = []
+    handle_op = ops.var_handle_op
+
+    def recorded(*args, **kwargs):
+        made.append(kwargs.get("debug_name").rstrip("/"))
+        return handle_op(*args, **kwargs)
+    monkeypatch.setattr(ops, "var_handle_op", recorded)
     keras.utils.set_random_seed(0)
     model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(3),
                               keras.layers.Dense(3)])
@@ -497,21 +507,27 @@ def test_tf_state_variables_are_named_by_their_kind(make, tmp_path):
         opt = keras_ema_opt.averaged(keras.optimizers.Lion(0.01),
                                      keras_ema_opt.PowerEMA())
         kinds = {"momentum", "average_0", "average_1"}
+    del made[:]
     opt.build(model.trainable_variables)
     slots = [v for v in opt.variables
              if v.path.split("/")[-1].startswith("sequential_dense")]
     assert len(slots) == 4 * len(kinds)
+    # 12 slots made under 3 names (the counters under theirs).
+    assert sorted(n for n in made if n.split("/")[-1] in kinds) == sorted(
+        f"{opt.name}/{k}" for k in kinds for _ in range(4))
     for v in slots:
-        kind = next(k for k in kinds if v.name.endswith("_" + k))
-        assert v.value.name == f"{opt.name}/{kind}:0", v.value.name
+        assert v.value.name == f"{opt.name}/{v.name}:0", v.value.name
         assert v.path == f"{opt.name}/{v.name}"
         assert v.name.startswith("sequential_dense")
-    # Variables of one name and shape are distinct resources.
+    # Distinct resources, which TF1's Saver (by name) takes together.
     same = [v for v in slots if v.shape == slots[0].shape
-            and v.value.name == slots[0].value.name]
+            and v.name.endswith(slots[0].name.split("_")[-1])]
     assert len(same) == 2
     same[0].assign(np.full(same[0].shape, 7.0, "float32"))
     assert not np.any(to_numpy(same[1]) == 7.0)
+    tf.compat.v1.train.Saver(
+        var_list=[v.value for v in model.variables + opt.variables]).save(
+            None, os.path.join(tmp_path, "v1"))
     # A fit, then a save and load round trip.
     model.compile(optimizer=opt, loss="mse")
     x = np.random.default_rng(1).normal(size=(16, 3)).astype("float32")
@@ -526,9 +542,11 @@ def test_tf_state_variables_are_named_by_their_kind(make, tmp_path):
     # In a graph a variable's name is its identity: left as Keras has it.
     from keras_ema_opt import backend
 
+    del made[:]
     with tf.Graph().as_default(), backend.state_variable_role("momentum"):
         graph_var = tf.Variable(1.0, name="dense_kernel_momentum")
     assert graph_var.name == "dense_kernel_momentum:0"
+    assert made == ["dense_kernel_momentum"]
 
 
 def _buffer_address(variable):

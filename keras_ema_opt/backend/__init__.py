@@ -48,9 +48,10 @@ here. Each backend module provides the same set:
   initialization at each later call).
 - ``state_variable_role(role)``: the context a slot or an average named
   after its model variable is created in; ``role`` is its kind
-  (``"momentum"``, ``"average"``). TensorFlow names the variable by its
-  role alone: an eager ``VarHandleOp`` is cached per distinct name, about
-  36 kB a variable when each has its own.
+  (``"momentum"``, ``"average"``). TensorFlow makes the variable under its
+  role alone, then gives it its own name back: an eager ``VarHandleOp``'s
+  kernel is cached per distinct name, about 36 kB a variable when each is
+  made under its own.
 - ``fit_failed()``: whether ``finalize_variable_values`` is being called
   by a ``fit()`` ending in an exception (JAX's ``fit()`` calls it from a
   ``finally`` block; the others only after their epochs).

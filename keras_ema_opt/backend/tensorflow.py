@@ -120,27 +120,51 @@ def build_scope():
 
 @contextlib.contextmanager
 def state_variable_role(role):
-    """Name the ``tf.Variable`` of a slot or an average made eagerly here
-    by its kind (``role``: ``"momentum"``, ``"average"``) alone; its
-    ``keras.Variable`` keeps its name and path (``dense_kernel_momentum``).
+    """Create a slot or an average eagerly with its kind (``role``:
+    ``"momentum"``, ``"average"``) as the name its ``VarHandleOp`` runs
+    with, then give the ``tf.Variable`` its own name back.
 
-    TensorFlow caches each eager op's kernel by its attributes, and a
-    ``VarHandleOp`` carries the variable's name (``debug_name``): one
-    cached kernel per name, about 36 kB that stays for the process's life.
-    Keras names a slot after its model variable, so every slot has one of
-    its own (36 MB for Adam with an average over 330 model variables,
-    whatever their size). By their kind, the slots of one shape share it,
-    as the layers' own ``kernel`` and ``bias`` variables do. In a graph
-    (a ``tf.function``, where a name is a variable's identity) the name is
-    left as it is.
+    TensorFlow's eager runtime caches each op's kernel by its attributes,
+    and a ``VarHandleOp`` carries the variable's name (``debug_name``):
+    one cached kernel per name, about 36 kB that stays for the process's
+    life. Keras names each slot after its model variable, under its
+    optimizer's scope (``adam/dense_kernel_momentum``): a kernel of its
+    own for every slot (36 MB for Adam with an average over 330 model
+    variables, whatever their size). Made under its kind, the slots of
+    one shape share one. The variable's ``name`` and ``_shared_name``
+    (which checkpoints, SavedModels and TF1's name-keyed ``Saver`` read)
+    are its own again afterwards, for a mirrored variable's every replica.
+    In a graph (a ``tf.function``, where a name is a variable's identity)
+    nothing changes.
     """
     def creator(next_creator, **kwargs):
-        if tf.executing_eagerly():
-            kwargs["name"] = role
-        return next_creator(**kwargs)
+        name = kwargs.get("name")
+        if not tf.executing_eagerly() or not name or name == role:
+            return next_creator(**kwargs)
+        kwargs["name"] = role
+        variable = next_creator(**kwargs)
+        _rename(variable, role, name)
+        return variable
 
     with tf.variable_creator_scope(creator):
         yield
+
+
+def _rename(variable, role, name):
+    """Put ``name`` in place of ``role`` in the handle names of
+    ``variable`` (and of its replicas: ``adam/momentum/replica_1``);
+    left as they are where TensorFlow keeps them otherwise."""
+    parts = (variable.values if isinstance(
+        variable, tf.distribute.DistributedValues) else (variable,))
+    first = getattr(parts[0], "_handle_name", None)
+    if not isinstance(first, str) or not first.endswith(f"{role}:0"):
+        return
+    head = first[: -len(role) - 2] + role
+    for part in parts:
+        handle = getattr(part, "_handle_name", None)
+        if isinstance(handle, str) and handle.startswith(head):
+            part._handle_name = (head[: -len(role)] + name
+                                 + handle[len(head):])
 
 
 def resolve_jit_compile(requested):

@@ -97,6 +97,12 @@ def main():
     keras_ema_opt.distributed.save_on_chief(model,
                                             os.path.join(out, "mid.keras"))
     result["placement"] = placement(model)
+    # Each replica of each slot and average by its own name (each is made
+    # under its kind: backend.state_variable_role).
+    result["state_names"] = [
+        [v.name, [part.name for part in v.value.values]]
+        for v in model.optimizer.variables
+        if isinstance(v.value, tf.distribute.DistributedValues)]
     model.fit(dataset(range(common.MID, common.STEPS)), epochs=1, verbose=0)
     result["fit"] = common.state(model)
     result["callback_wrote"] = [os.path.basename(p) for p in callback.saved]
