@@ -159,12 +159,12 @@ def _rename(variable, role, name):
     first = getattr(parts[0], "_handle_name", None)
     if not isinstance(first, str) or not first.endswith(f"{role}:0"):
         return
-    head = first[: -len(role) - 2] + role
+    head = first[:-2]  # "<scope>/<role>", each replica's name begins so
+    scope = head[: -len(role)]
     for part in parts:
         handle = getattr(part, "_handle_name", None)
         if isinstance(handle, str) and handle.startswith(head):
-            part._handle_name = (head[: -len(role)] + name
-                                 + handle[len(head):])
+            part._handle_name = scope + name + handle[len(head):]
 
 
 def resolve_jit_compile(requested):
