@@ -29,10 +29,16 @@ assert keras_ema_opt.distributed.is_chief() and os.path.exists(path)
 ```
 """
 
+import contextlib
 import os
 
 from keras_ema_opt import _io
 from keras_ema_opt import backend
+from keras_ema_opt.errors import InvalidArgumentError
+
+# What `model.save` writes, by the file's extension: a `.keras` zip, or
+# the legacy HDF5 format.
+_MODEL_FILE_SUFFIXES = (".keras", ".h5", ".hdf5")
 
 
 def is_chief():
@@ -66,10 +72,15 @@ def save_on_chief(model, filepath):
 
     Args:
         model: The model (with its optimizer state and averages).
-        filepath: A ``.keras`` path.
+        filepath: A ``.keras`` path (or ``.h5``/``.hdf5``, Keras' legacy
+            HDF5 format).
 
     Returns:
         ``filepath`` on the chief, ``None`` elsewhere.
+
+    Raises:
+        InvalidArgumentError: ``filepath`` ends in none of those, on every
+            process.
 
     Example:
 
@@ -85,13 +96,39 @@ def save_on_chief(model, filepath):
     assert keras_ema_opt.distributed.save_on_chief(model, path) == path
     ```
     """
+    filepath = os.fspath(filepath)
+    suffix = os.path.splitext(filepath)[1]
+    if suffix not in _MODEL_FILE_SUFFIXES:
+        # The temporary file's extension picks the format `model.save`
+        # writes: a `.keras` zip under another name would load as nothing.
+        raise InvalidArgumentError(
+            "save_on_chief() writes what `model.save` does, by the file's "
+            f"extension: one of {', '.join(_MODEL_FILE_SUFFIXES)}. "
+            f"Received: filepath={filepath!r}")
     if not backend.is_chief():
         return None
-    filepath = os.fspath(filepath)
     folder = os.path.dirname(os.path.abspath(filepath))
     os.makedirs(folder, exist_ok=True)
-    with _io.temporary_beside(filepath, ".keras", ".saving-") as tmp:
-        with backend.chief_only_scope():
+    with _io.temporary_beside(filepath, suffix, ".saving-") as tmp:
+        with backend.chief_only_scope(), _compile_config_kept(model):
             model.save(tmp)
         _io.publish(tmp, filepath)
     return filepath
+
+
+@contextlib.contextmanager
+def _compile_config_kept(model):
+    """Keras 3.15's `.h5` writer takes the optimizer out of the model's
+    own compile config (``training_config.pop("optimizer")`` on
+    ``model._compile_config.config``): a later `.keras` save of the model
+    then recorded no optimizer, and its load compiled Keras' default
+    (RMSprop) and skipped the saved state. The config's entries are put
+    back after the save."""
+    config = getattr(getattr(model, "_compile_config", None), "config", None)
+    kept = dict(config) if isinstance(config, dict) else None
+    try:
+        yield
+    finally:
+        if kept is not None:
+            config.clear()
+            config.update(kept)

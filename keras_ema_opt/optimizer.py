@@ -1127,6 +1127,14 @@ class Optimizer(backend.OptimizerHooks, keras.optimizers.Optimizer):
         """
         if self.built:
             return
+        loading = self._model_loading_from_h5()
+        if loading is not None:
+            # Keras 3.15's `.h5` loader builds with the model's own
+            # variables alone (`model._trainable_variables`: none for a
+            # Sequential or functional model), then sets the file's state
+            # into what that build made: built for no variable, the state
+            # was lost and the first step refused the model's variables.
+            variables = loading.trainable_variables
         with backend.build_scope():
             self._build_state(variables)
 
@@ -1241,7 +1249,9 @@ class Optimizer(backend.OptimizerHooks, keras.optimizers.Optimizer):
         optimizer, found on the call stack by identity of its optimizer;
         None for an optimizer built on its own."""
         model = self._model_tracked()
-        return model if model is not None else self._model_on_stack()
+        if model is None:
+            model = self._model_on_stack()
+        return model if model is not None else self._model_loading_from_h5()
 
     def _model_tracked(self):
         """The model of ``track_non_trainable`` while it lives, or None."""
@@ -1250,9 +1260,10 @@ class Optimizer(backend.OptimizerHooks, keras.optimizers.Optimizer):
 
     # Where Keras (and this package) load a model: a build under these
     # frames is part of a load, whose weights come from the file.
+    _H5_LOADER = ("load_model_from_hdf5",
+                  "keras/src/legacy/saving/legacy_h5_format.py")
     _LOADERS = (("_model_from_config", "keras/src/saving/saving_lib.py"),
-                ("load_model_from_hdf5",
-                 "keras/src/legacy/saving/legacy_h5_format.py"),
+                _H5_LOADER,
                 ("load_legacy", "keras_ema_opt/savedmodel/__init__.py"))
 
     @classmethod
@@ -1278,12 +1289,31 @@ class Optimizer(backend.OptimizerHooks, keras.optimizers.Optimizer):
         frame = sys._getframe(1)
         while frame is not None:
             candidate = frame.f_locals.get("self")
-            if isinstance(candidate, keras.Model):
-                held = getattr(candidate, "optimizer", None)
-                if held is self or getattr(
-                    held, "inner_optimizer", None
-                ) is self:
-                    return candidate
+            if self._optimizer_of(candidate):
+                return candidate
+            frame = frame.f_back
+        return None
+
+    def _optimizer_of(self, model):
+        """Whether ``model`` is a Keras model whose optimizer is this one
+        (or wraps it: a ``LossScaleOptimizer``)."""
+        if not isinstance(model, keras.Model):
+            return False
+        held = getattr(model, "optimizer", None)
+        return held is self or getattr(held, "inner_optimizer", None) is self
+
+    def _model_loading_from_h5(self):
+        """The model whose `.h5` file Keras is loading, where it builds
+        this optimizer (its ``model`` local, whose optimizer is this one),
+        or None."""
+        name, file = self._H5_LOADER
+        frame = sys._getframe(1)
+        while frame is not None:
+            code = frame.f_code
+            if code.co_name == name and code.co_filename.replace(
+                    "\\", "/").endswith(file):
+                model = frame.f_locals.get("model")
+                return model if self._optimizer_of(model) else None
             frame = frame.f_back
         return None
 

@@ -51,7 +51,8 @@ def make_model(seed=0, layout=None, accumulate=None):
         learning_rate=0.01,
         averaging=keras_ema_opt.EMA(0.9, warmup="power", finalize=False),
         gradient_accumulation_steps=accumulate),
-        loss="mse")
+        # Not "mse": Keras 3.15 cannot compile that alias from a `.h5`.
+        loss="mean_squared_error")
     return model
 
 

@@ -5,11 +5,12 @@ with 2 processes on localhost:
 
 Each rank builds the model from its own seed (rank 0's weights must reach
 every rank), then ``fit()`` on its half of each global batch: 2 steps, a
-``.keras`` save by rank 0 only (``mid.keras``), 2 more steps, and an
-``AveragedCheckpoint`` that only rank 0 may write. A custom loop
-(``minimize`` on each rank's half) follows, with a list of variables and
-with a callable; then rank 0 alone loads ``mid.keras``. Each rank writes
-OUT/rank<r>.json with its weights, averages and iterations.
+``.keras`` and a ``.h5`` save by rank 0 only (``mid.keras``, ``mid.h5``), 2
+more steps, and an ``AveragedCheckpoint`` that only rank 0 may write. A
+custom loop (``minimize`` on each rank's half) follows, with a list of
+variables and with a callable; then rank 0 alone loads ``mid.keras`` and
+``mid.h5``. Each rank writes OUT/rank<r>.json with its weights, averages
+and iterations.
 """
 
 import os
@@ -60,6 +61,8 @@ def main(out):
               shuffle=False, verbose=0, callbacks=[callback])
     keras_ema_opt.distributed.save_on_chief(model,
                                             os.path.join(out, "mid.keras"))
+    keras_ema_opt.distributed.save_on_chief(model,
+                                            os.path.join(out, "mid.h5"))
     result["mid"] = common.state(model)
     common.fit_steps(model, range(common.MID, common.STEPS), rank, world)
     result["fit"] = common.state(model)
@@ -84,6 +87,8 @@ def main(out):
         # broadcast): the loaded weights replace whatever the build saw.
         loaded = keras.saving.load_model(os.path.join(out, "mid.keras"))
         result["chief_loaded"] = common.state(loaded)
+        loaded = keras.saving.load_model(os.path.join(out, "mid.h5"))
+        result["chief_loaded_h5"] = common.state(loaded)
     common.write(os.path.join(out, f"rank{rank}.json"), result)
     common.leave_torch_group()
 
