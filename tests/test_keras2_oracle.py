@@ -210,6 +210,41 @@ def test_minimize_with_an_unused_variable_equals_tf_keras():
     assert ours == pytest.approx(run(tf_keras.optimizers, tf.Variable))
 
 
+
+@pytest.mark.parametrize("lazy", [False, True])
+def test_a_callable_var_list_runs_the_losss_side_effects_once(lazy):
+    """With ``var_list`` a callable, JAX runs the loss once before the
+    traced run, for the variables it creates: its BatchNorm update (and
+    dropout seed) happened twice a call. The moving mean and the step, a
+    call of ``minimize`` and one of ``compute_gradients`` after it, equal
+    tf_keras'; ``lazy``: the model is built by the first loss."""
+    x = np.arange(12, dtype="float32").reshape(4, 3)
+
+    def run(lib, optimizers, mean):
+        layers = [lib.layers.Dense(3, kernel_initializer="ones"),
+                  lib.layers.BatchNormalization(momentum=0.5)]
+        model = lib.Sequential(layers if lazy else [lib.Input((3,))] + layers)
+        calls = []
+
+        def loss():
+            calls.append(1)
+            return mean(model(x, training=True) ** 2)
+
+        opt = optimizers.SGD(1e-4)
+        opt.minimize(loss, lambda: model.trainable_variables)
+        first = float(np.asarray(model.layers[-1].moving_mean)[0])
+        opt.compute_gradients(loss, lambda: model.trainable_variables)
+        second = float(np.asarray(model.layers[-1].moving_mean)[0])
+        return first, second, [np.asarray(w) for w in model.get_weights()]
+
+    theirs = run(tf_keras, tf_keras.optimizers, tf.reduce_mean)
+    ours = run(keras, keras_ema_opt, keras.ops.mean)
+    # Momentum 0.5 towards the batch's mean of Dense(ones): 16.5 + bias.
+    assert theirs[:2] == pytest.approx((8.25, 12.375), rel=1e-3)
+    assert ours[:2] == pytest.approx(theirs[:2], rel=1e-6)
+    for a, b in zip(ours[2], theirs[2], strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)
+
 def test_only_none_gradients_is_keras2_error():
     their_type, theirs = _message(lambda: tf_keras.optimizers.SGD(
         ).apply_gradients([(None, tf.Variable(1.0))]))

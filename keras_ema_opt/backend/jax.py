@@ -242,11 +242,16 @@ def compute_gradients(loss, var_list, tape=None):
     The loss is evaluated with the variables of ``var_list`` replaced by
     traced values (a ``StatelessScope``); a non-scalar loss is summed, as a
     TensorFlow tape does. With a callable ``var_list`` the loss runs once
-    eagerly first, so that variables it creates exist.
+    first, so that variables it creates exist, in a ``StatelessScope`` of
+    its own: what it assigns (BatchNorm's statistics, a dropout seed) is
+    dropped, and the traced run's is kept, so the loss's side effects
+    happen once, as on TensorFlow (they happened twice). The variables it
+    creates are made when that scope ends, from their initializers.
     """
     _common.check_no_tape(tape, "jax")
     if callable(var_list):
-        loss()
+        with StatelessScope():
+            loss()
         var_list = var_list()
     var_list = list(var_list)
     differentiated = {id(v) for v in var_list}
