@@ -1049,7 +1049,8 @@ class Optimizer(backend.OptimizerHooks, keras.optimizers.Optimizer):
             return self._iterations
         for pair in grads_and_vars:
             if not isinstance(pair, (tuple, list)) or len(pair) != 2:
-                raise TypeError(
+                # A ValueError, as Keras 2 and 3 raise here (unpacking).
+                raise InvalidArgumentError(
                     "apply_gradients() takes an iterable of (gradient, "
                     f"variable) pairs. Received the item {pair!r} of type "
                     f"{type(pair).__name__}.")

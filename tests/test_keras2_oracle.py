@@ -245,6 +245,28 @@ def test_a_callable_var_list_runs_the_losss_side_effects_once(lazy):
     for a, b in zip(ours[2], theirs[2], strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)
 
+
+@pytest.mark.parametrize("shape", ["flat", "triples"])
+def test_malformed_pairs_raise_a_value_error_as_in_keras2(shape):
+    """Not (gradient, variable) pairs: Keras 2 (and 3) raise ValueError
+    unpacking them; ours is a ValueError too (it was a TypeError), whose
+    message names the item."""
+    def pairs(g, w):
+        return [g, w] if shape == "flat" else [(g, w, w)]
+
+    w_theirs = tf.Variable([1.0])
+    their_type, _ = _message(lambda: tf_keras.optimizers.SGD(
+        ).apply_gradients(pairs(tf.ones((1,)), w_theirs)))
+    w = keras.Variable([1.0])
+    with pytest.raises(InvalidArgumentError,
+                       match=r"takes an iterable of \(gradient, variable\) "
+                       r"pairs\. Received the item"):
+        keras_ema_opt.SGD().apply_gradients(
+            pairs(keras.ops.ones((1,)), w))
+    assert issubclass(their_type, ValueError)
+    assert issubclass(InvalidArgumentError, their_type)
+    np.testing.assert_array_equal(to_numpy(w), [1.0])  # nothing stepped
+
 def test_only_none_gradients_is_keras2_error():
     their_type, theirs = _message(lambda: tf_keras.optimizers.SGD(
         ).apply_gradients([(None, tf.Variable(1.0))]))
