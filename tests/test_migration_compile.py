@@ -29,7 +29,7 @@ pytest.importorskip("tf_keras")
 
 SCRIPT = os.path.join(ROOT, "tests", "scripts", "make_compile_artifacts.py")
 CASES = ["loss_objects", "metric_objects", "custom_loss", "metric_names",
-         "fresh", "mixed"]
+         "multi_output", "multi_output_dict", "fresh", "mixed"]
 CUSTOM = {"my_loss": my_loss}
 
 
@@ -52,7 +52,8 @@ def _migrated(folder, name, tmp_path, **kwargs):
 
 def _continues_like_tf_keras(model, expected, weights_after=True):
     x = np.asarray(expected["x"], "float32")
-    y = np.asarray(expected["y"])
+    y = ([np.asarray(a) for a in expected["y"]] if expected.get("outputs")
+         else np.asarray(expected["y"]))
     logs = model.train_on_batch(x, y, return_dict=True)
     assert sorted(logs) == sorted(expected["logs"])
     for key, want in expected["logs"].items():
@@ -67,13 +68,16 @@ def _continues_like_tf_keras(model, expected, weights_after=True):
 
 @pytest.mark.parametrize("fmt", ["model.h5", "savedmodel"])
 @pytest.mark.parametrize("case", ["loss_objects", "metric_objects",
-                                  "custom_loss", "metric_names"])
+                                  "custom_loss", "metric_names",
+                                  "multi_output", "multi_output_dict"])
 def test_loss_and_metrics_continue_like_tf_keras(artifacts, tmp_path, case,
                                                  fmt):
     # Keras 2 loss objects carry `reduction="auto"` and `fn`, which Keras 3
     # refuses; a custom loss is stored by name and comes in through
     # custom_objects; metrics are stored resolved ("accuracy" as a
-    # MeanMetricWrapper of sparse_categorical_accuracy).
+    # MeanMetricWrapper of sparse_categorical_accuracy); a model of several
+    # outputs named its metrics after them ("reg_mae"): the logs' keys are
+    # tf_keras' (they were "reg_reg_mae").
     folder = os.path.join(artifacts, case)
     model = _migrated(folder, fmt, tmp_path)
     _continues_like_tf_keras(model, _expected(folder))

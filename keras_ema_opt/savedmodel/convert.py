@@ -449,7 +449,8 @@ def compile_arguments(record, custom_objects=None):
     for key in ("metrics", "weighted_metrics"):
         value = training.get(key)
         if value is not None:
-            metrics = _metrics(value, custom_objects, dropped)
+            metrics = _metrics(value, custom_objects, dropped,
+                               outputs=_output_names(record))
             if metrics:
                 out[key] = metrics
     if dropped:
@@ -499,20 +500,46 @@ def _loss(loss, custom_objects, record):
     return loss
 
 
-def _metrics(value, custom_objects, dropped):
+def _metrics(value, custom_objects, dropped, outputs=(), prefix=None):
     """Keras 2's saved metrics (one list per output, of configs or names)
-    as Keras 3 compile metrics; what cannot be built goes to ``dropped``."""
+    as Keras 3 compile metrics; what cannot be built goes to ``dropped``.
+
+    A model of several outputs named its metric objects after their output
+    (``reg_mae``); Keras 3 puts the output's name before a metric's own, so
+    that prefix is taken off (the logs kept ``reg_reg_mae``). ``outputs``:
+    the model's output names, in order."""
     if isinstance(value, dict) and "class_name" not in value:
-        out = {k: _metrics(v, custom_objects, dropped)
+        out = {k: _metrics(v, custom_objects, dropped, prefix=k)
                for k, v in value.items()}
         return {k: v for k, v in out.items() if v}
     if isinstance(value, (list, tuple)):
-        out = [_metrics(v, custom_objects, dropped) for v in value]
-        if out and all(isinstance(v, list) for v in out):
+        if value and all(isinstance(v, (list, tuple)) for v in value):
             # one list per output; a single output takes the flat list
+            out = [_metrics(v, custom_objects, dropped,
+                            prefix=outputs[i] if len(value) > 1 and i < len(
+                                outputs) else None)
+                   for i, v in enumerate(value)]
+            return out[0] if len(out) == 1 else out
+        out = [_metrics(v, custom_objects, dropped, prefix=prefix)
+               for v in value]
+        if out and all(isinstance(v, list) for v in out):
             return out[0] if len(out) == 1 else out
         return [v for v in out if v is not None]
-    return _metric(value, custom_objects, dropped)
+    return _metric(value, custom_objects, dropped, prefix)
+
+
+def _output_names(record):
+    """The output layers' names of a functional Keras 2 model config (the
+    names Keras 2 put before each output's metrics), else ()."""
+    config = (record.model_config or {}).get("config")
+    layers = config.get("output_layers") if isinstance(config, dict) else None
+    if not isinstance(layers, list):
+        return ()
+    if layers and isinstance(layers[0], str):  # one output: [name, 0, 0]
+        layers = [layers]
+    return tuple(entry[0] for entry in layers
+                 if isinstance(entry, list) and entry
+                 and isinstance(entry[0], str))
 
 
 # Names Keras 3's compile resolves by the model's outputs and labels,
@@ -520,7 +547,7 @@ def _metrics(value, custom_objects, dropped):
 _OUTPUT_RESOLVED = ("accuracy", "acc", "crossentropy", "ce")
 
 
-def _metric(value, custom_objects, dropped):
+def _metric(value, custom_objects, dropped, prefix=None):
     if value is None:
         return None  # an output compiled without metrics
     if isinstance(value, dict) and value.get("class_name") == "function":
@@ -548,6 +575,9 @@ def _metric(value, custom_objects, dropped):
         return None
     config = dict(value.get("config") or {})
     name = config.get("name") or value["class_name"]
+    if prefix and isinstance(name, str) and name.startswith(f"{prefix}_") \
+            and len(name) > len(prefix) + 1:
+        name = config["name"] = name[len(prefix) + 1:]
     try:
         with keras.saving.custom_object_scope(custom_objects or {}):
             if value["class_name"] == "MeanMetricWrapper":

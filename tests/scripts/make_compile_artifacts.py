@@ -70,6 +70,30 @@ def _regression(loss, metrics, optimizer=None):
     return make
 
 
+def _multi_output(as_dict):
+    # Keras 2 named each output's metric objects after the output
+    # (`reg_mae`), where Keras 3 adds the output's name itself.
+    def make():
+        inputs = k2.Input((4,))
+        hidden = k2.layers.Dense(5, name="h")(inputs)
+        model = k2.Model(inputs, [k2.layers.Dense(2, name="reg")(hidden),
+                                  k2.layers.Dense(3, name="cls")(hidden)])
+        losses = ["mse", k2.losses.SparseCategoricalCrossentropy(
+            from_logits=True)]
+        metrics = [["mae"], ["accuracy"]]
+        if as_dict:
+            losses = dict(zip(["reg", "cls"], losses))
+            metrics = dict(zip(["reg", "cls"], metrics))
+        model.compile(optimizer=k2.optimizers.Adam(0.01), loss=losses,
+                      metrics=metrics, loss_weights=[1.0, 0.5])
+        rng = np.random.RandomState(4)
+        return model, [(rng.randn(8, 4).astype("float32"),
+                        [rng.randn(8, 2).astype("float32"),
+                         rng.randint(0, 3, 8).astype("int32")])
+                       for _ in range(3)]
+    return make
+
+
 def _mixed():
     # Targets far beyond float16: the first steps overflow and halve the
     # dynamic loss scale (32768 -> 4096), state an .h5 does not keep.
@@ -90,6 +114,8 @@ CASES = {
         lambda: [k2.metrics.MeanAbsoluteError(), "mse"]),
     "custom_loss": _regression(lambda: my_loss, lambda: ["mae"]),
     "metric_names": _metric_names,
+    "multi_output": _multi_output(as_dict=False),
+    "multi_output_dict": _multi_output(as_dict=True),
     # Compiled, saved before the first step: no optimizer state anywhere.
     "fresh": _regression(lambda: "mse", lambda: None,
                          lambda: k2.optimizers.legacy.SGD(0.05,
@@ -131,7 +157,10 @@ def make(out, name):
     x, y = batches[STEPS_BEFORE.get(name, 2)]
     logs = model.train_on_batch(x, y, return_dict=True)
     with open(os.path.join(folder, "expected.json"), "w") as f:
-        json.dump({"x": x.tolist(), "y": y.tolist(),
+        json.dump({"x": x.tolist(),
+                   # several outputs: a list of their targets
+                   "y": [a.tolist() for a in y] if isinstance(y, list)
+                   else y.tolist(), "outputs": isinstance(y, list),
                    "logs": {k: float(v) for k, v in logs.items()},
                    "after": [w.numpy().tolist() for w in model.weights],
                    "iterations": int(model.optimizer.iterations.numpy()),
