@@ -664,9 +664,12 @@ class Optimizer(backend.OptimizerHooks, keras.optimizers.Optimizer):
         config["jit_compile"] = self.jit_compile
         if self.decay:
             config["decay"] = self.decay
-        if self.averaging is not None and self.averaging != EMA(
-            self.ema_momentum
-        ):
+        # A strategy passed as `averaging=` is kept, even one equal to the
+        # EMA `use_ema` makes: that EMA averages the variables of each step
+        # alone (Keras 2's rule), a strategy every variable it was built
+        # with, and a reload must average as the run did.
+        if self.averaging is not None and not self.__dict__.get(
+                "_ema_follows_momentum"):
             config["averaging"] = keras.saving.serialize_keras_object(
                 self.averaging
             )

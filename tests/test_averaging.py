@@ -588,7 +588,8 @@ def test_averaging_api_errors_name_what_was_received():
             call()
     with pytest.raises(InvalidArgumentError, match="Received: model='x'"):
         opt.swap_average("x")
-    with pytest.raises(TypeError, match=r"\(gradient, variable\) pairs"):
+    with pytest.raises(InvalidArgumentError,
+                       match=r"\(gradient, variable\) pairs"):
         opt.apply_gradients([keras.ops.ones((2,))])
 
 
@@ -842,6 +843,40 @@ def test_averaged_user_optimizer_round_trips_through_keras_file(tmp_path):
     assert type(loaded.optimizer).__name__ == "PlainSGD"
     assert loaded.optimizer.averaging == keras_ema_opt.SWA()
 
+
+
+@pytest.mark.parametrize("make", [
+    lambda: keras_ema_opt.Adam(0.05, averaging=keras_ema_opt.EMA(0.99)),
+    lambda: keras_ema_opt.averaged(keras.optimizers.SGD(0.05),
+                                   keras_ema_opt.EMA(0.99)),
+    lambda: keras_ema_opt.Adam(0.05, use_ema=True),
+], ids=["averaging", "averaged", "use_ema"])
+def test_reload_averages_by_the_rule_it_was_made_with(make, tmp_path):
+    """A strategy passed as `averaging=` averages every variable the
+    optimizer was built with at every step; `use_ema=True` the variables
+    of the step (Keras 2). `EMA(0.99)`, equal to the EMA of Keras'
+    default `ema_momentum`, was left out of the config and reloaded under
+    `use_ema`'s rule. A step giving the first layer alone a gradient: the
+    second layer's average moves toward its weight (float64 formula), or
+    stays under `use_ema`, in the saved optimizer and the reloaded one."""
+    model = _model()
+    model.compile(optimizer=make(), loss="mse")
+    x, y = _data()
+    model.train_on_batch(x[:8], y[:8])
+    model.save(tmp_path / "m.keras")
+    loaded = keras.saving.load_model(tmp_path / "m.keras")
+    every_variable = not getattr(make(), "_ema_follows_momentum")
+    for m in (model, loaded):
+        first = m.layers[0].trainable_variables
+        last = m.layers[-1].kernel
+        before = to_numpy(m.optimizer.average_of(last)).astype("float64")
+        weight = to_numpy(last).astype("float64")
+        m.optimizer.apply_gradients(
+            [(keras.ops.ones(v.shape), v) for v in first])
+        after = to_numpy(m.optimizer.average_of(last))
+        want = before + 0.01 * (weight - before) if every_variable else before
+        np.testing.assert_allclose(after, want, rtol=1e-6, atol=1e-7)
+    assert loaded.optimizer.get_config() == model.optimizer.get_config()
 
 # ---------------------------------------------------------------------------
 # The weight of one update late in a long run, against the float64 formula
