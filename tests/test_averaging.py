@@ -479,6 +479,13 @@ def test_debias_reads_the_weights_before_the_first_update():
     opt.apply_gradients([(keras.ops.ones((2,)), w)])
     np.testing.assert_allclose(to_numpy(opt.average_of(w)), to_numpy(w))
     assert not np.any(np.isnan(to_numpy(opt.average_of(w))))
+    # A value, as without `debias`: on PyTorch the weight it read had tied
+    # it to the parameter's gradient (`np.asarray` refused it).
+    for _ in range(3):
+        np.testing.assert_array_equal(np.asarray(opt.average_of(w)),
+                                      to_numpy(opt.average_of(w)))
+        assert not getattr(opt.average_of(w), "requires_grad", False)
+        opt.apply_gradients([(keras.ops.ones((2,)), w)])
 
 
 def test_numpy_integer_overwrite_frequency():

@@ -425,8 +425,11 @@ class Averager:
             safe = ops.cast(ops.where(ops.logical_and(old, started), c, 1.0),
                             work)
             quotient = ops.divide(ops.cast(value, work), safe)
+            # The weight read as a value, not tied to its gradient (a
+            # torch parameter's would make the average require grad).
+            weight = ops.stop_gradient(self.variables[i].value)
             value = ops.where(started, ops.cast(quotient, dtype),
-                              ops.cast(self.variables[i].value, dtype))
+                              ops.cast(weight, dtype))
         return value
 
     def save_snapshot(self, optimizer, directory=None):
