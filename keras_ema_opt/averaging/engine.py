@@ -306,7 +306,7 @@ class Averager:
         # float32 too).
         dtype = _working_dtype(slot.dtype)
         a = ops.cast(slot.value, dtype)
-        w = ops.cast(var.value, dtype)
+        w = backend.widen(var.value, dtype)
         # a + (1 - d) (x - a) with the strategy's 1 - d, as torch's `lerp`
         # computes it: from the nearer end, x - d (x - a) where 1 - d is
         # at least 1/2, so exact at both ends. Not d a + (1 - d) x: in

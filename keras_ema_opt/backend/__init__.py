@@ -52,6 +52,10 @@ here. Each backend module provides the same set:
   role alone, then gives it its own name back: an eager ``VarHandleOp``'s
   kernel is cached per distinct name, about 36 kB a variable when each is
   made under its own.
+- ``widen(value, dtype)``: a half-precision variable's value cast to the
+  wider dtype its averages are mixed in, holding exactly what the
+  variable holds (JAX: the rounding XLA would drop inside a compiled
+  step, where the value was just computed in float32, is kept).
 - ``fit_failed()``: whether ``finalize_variable_values`` is being called
   by a ``fit()`` ending in an exception (JAX's ``fit()`` calls it from a
   ``finally`` block; the others only after their epochs).
@@ -133,6 +137,7 @@ chief_only_scope = _impl.chief_only_scope
 lerp_averages = _impl.lerp_averages
 build_scope = _impl.build_scope
 state_variable_role = _impl.state_variable_role
+widen = _impl.widen
 training_forward = _impl.training_forward
 fit_failed = _impl.fit_failed
 sum_over_processes = _impl.sum_over_processes
@@ -165,6 +170,7 @@ __all__ = [
     "lerp_averages",
     "build_scope",
     "state_variable_role",
+    "widen",
     "training_forward",
     "sum_over_processes",
     "check_build",

@@ -23,6 +23,12 @@ def build_scope():
     return contextlib.nullcontext()
 
 
+def widen(value, dtype):
+    """``value`` (a variable's, of a half-precision float dtype) cast to
+    the wider ``dtype`` the averages are mixed in: here, a cast."""
+    return keras.ops.cast(value, dtype)
+
+
 def state_variable_role(role):
     """Where a slot or an average of the kind ``role`` is created: as it
     is (its framework names it as Keras does)."""

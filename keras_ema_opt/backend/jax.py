@@ -30,6 +30,24 @@ sum_over_processes = _common.sum_over_processes
 on_create = _common.on_create
 build_scope = _common.build_scope
 state_variable_role = _common.state_variable_role
+
+
+def widen(value, dtype):
+    """``value`` cast to the wider ``dtype``, holding exactly what its own
+    (half-precision) dtype holds. Inside a compiled step the new weight
+    is a float32 result cast to bfloat16 or float16, and XLA, which allows
+    excess precision, drops that rounding and its cast back: the average
+    mixed the unrounded update, a value the weight never held (up to a
+    rounding of the weight's dtype each step, unlike TensorFlow and
+    PyTorch). ``reduce_precision`` keeps the rounding."""
+    out = keras.ops.cast(value, dtype)
+    source = jnp.dtype(getattr(value, "dtype", out.dtype))
+    if source in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)) and (
+            jnp.finfo(out.dtype).nmant > jnp.finfo(source).nmant):
+        info = jnp.finfo(source)
+        out = jax.lax.reduce_precision(out, exponent_bits=info.nexp,
+                                       mantissa_bits=info.nmant)
+    return out
 lerp_averages = _common.lerp_averages
 
 

@@ -118,6 +118,9 @@ def build_scope():
     return contextlib.nullcontext()
 
 
+widen = _common.widen
+
+
 @contextlib.contextmanager
 def state_variable_role(role):
     """Create a slot or an average eagerly with its kind (``role``:

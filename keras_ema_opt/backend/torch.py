@@ -14,6 +14,7 @@ host_array = _common.host_array
 forward_spans_processes = _common.forward_spans_processes
 build_scope = _common.build_scope
 state_variable_role = _common.state_variable_role
+widen = _common.widen
 chief_only_scope = _common.chief_only_scope
 assign_copy = _common.assign_copy
 value_visible = _common.value_visible
