@@ -22,6 +22,7 @@ import keras_ema_opt  # noqa: E402
 from keras_ema_opt import savedmodel  # noqa: E402
 from keras_ema_opt.cli import main  # noqa: E402
 from keras_ema_opt.errors import LegacyConfigError  # noqa: E402
+from keras_ema_opt.errors import LegacyStateError  # noqa: E402
 from conftest import only_on  # noqa: E402
 from conftest import run_python  # noqa: E402
 from conftest import to_numpy  # noqa: E402
@@ -113,6 +114,81 @@ def test_bare_checkpoint_with_a_schedule_asks_for_the_optimizer(tmp_path):
             momentum=0.9))
     assert int(to_numpy(opt.iterations)) == 3
 
+
+
+def _checkpoint(tmp_path, optimizer, steps=3):
+    """A Keras 2 model trained ``steps`` steps with ``optimizer``, written
+    as TensorFlow's guide does; the prefix, and tf_keras' loss of the next
+    batch."""
+    net = _k2_model()
+    net.compile(optimizer=optimizer, loss="mse")
+    batches = _batches(steps + 1)
+    for x, y in batches[:steps]:
+        net.train_on_batch(x, y)
+    prefix = str(tmp_path / "ckpt")
+    tf.train.Checkpoint(model=net, optimizer=net.optimizer).write(prefix)
+    return prefix, float(net.train_on_batch(*batches[steps]))
+
+
+def _next_loss(model, steps=3):
+    return float(to_numpy(model.train_on_batch(*_batches(steps + 1)[steps])))
+
+
+def test_given_optimizer_without_the_checkpoints_momentum_is_refused(
+        tmp_path):
+    # An OptimizerV2 SGD stores its momentum (0.9) and its buffers: an SGD
+    # given without momentum has no place for them (they were dropped as
+    # tf_keras' unused buffer of momentum 0, without a word).
+    prefix, theirs = _checkpoint(
+        tmp_path, k2.optimizers.legacy.SGD(0.05, momentum=0.9))
+    with pytest.warns(UserWarning, match=r"trained with momentum=0\.9 "
+                      r"\(given 0\.0\)"):
+        with pytest.raises(LegacyStateError,
+                           match=r"no place for the Keras 2 state "
+                           r"\['momentum of d1/kernel'"):
+            savedmodel.load_legacy(prefix, model=lambda: _k3_model(
+                keras_ema_opt.SGD(0.05)))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        model = savedmodel.load_legacy(prefix, model=lambda: _k3_model(
+            keras_ema_opt.SGD(0.05, momentum=0.9)))
+    assert _next_loss(model) == pytest.approx(theirs, rel=1e-6)
+
+
+def test_given_hyperparameters_other_than_the_checkpoints_are_named(
+        tmp_path):
+    prefix, theirs = _checkpoint(
+        tmp_path, k2.optimizers.legacy.Adam(0.01, beta_1=0.8, beta_2=0.95))
+    with pytest.warns(UserWarning, match=r"trained with beta_1=0\.8 \(given "
+                      r"0\.9\), beta_2=0\.95 \(given 0\.999\); the Adam "
+                      "given"):
+        savedmodel.load_legacy(prefix, model=lambda: _k3_model(
+            keras_ema_opt.Adam(0.01)))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        model = savedmodel.load_legacy(prefix, model=lambda: _k3_model(
+            keras_ema_opt.Adam(0.01, beta_1=0.8, beta_2=0.95)))
+    assert _next_loss(model) == pytest.approx(theirs, rel=1e-6)
+
+
+def test_a_schedules_last_rate_given_a_constant_rate_is_named(tmp_path):
+    # A Keras 2.11+ optimizer keeps a schedule's rate of its last step
+    # (`_current_learning_rate`): an optimizer given a constant rate took
+    # it, and kept it, without a word.
+    def schedule(module):
+        return module.optimizers.schedules.ExponentialDecay(0.05, 1, 0.5)
+
+    prefix, theirs = _checkpoint(tmp_path, k2.optimizers.Adam(schedule(k2)))
+    with pytest.warns(UserWarning, match=r"learning rate was a schedule, at "
+                      r"0\.0125 on its last step; the Adam given has a "
+                      "constant rate"):
+        savedmodel.load_legacy(prefix, model=lambda: _k3_model(
+            keras_ema_opt.Adam(0.01)))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        model = savedmodel.load_legacy(prefix, model=lambda: _k3_model(
+            keras_ema_opt.Adam(schedule(keras))))
+    assert _next_loss(model) == pytest.approx(theirs, rel=1e-6)
 
 @pytest.mark.parametrize("option,value,text", [
     ("--model", "no_such_module_keo:build",

@@ -321,9 +321,17 @@ def fill_optimizer(record, optimizer, mapping, model, placed=None):
                    np.asarray(int(state.iterations))))
     lr = state.learning_rate
     if lr is not None and isinstance(inner._learning_rate, keras.Variable):
+        if state.learning_rate_schedule:
+            warnings.warn(
+                f"{record.path}: the Keras 2 optimizer's learning rate was a "
+                f"schedule, at {float(np.asarray(lr)):.6g} on its last step; "
+                f"the {type(inner).__name__} given has a constant rate, which "
+                "takes that value and keeps it. Compile the model with the "
+                "schedule to resume exactly.", stacklevel=3)
         inner._learning_rate.assign(float(np.asarray(lr)))
         placed.append(("learning rate", inner._learning_rate,
                        np.asarray(lr, dtype="float32")))
+    _warn_other_hyperparameters(record, inner)
     table = slot_tables.SLOT_ATTRIBUTES.get(type(inner).__name__, {})
     averager = getattr(inner, "_averager", None)
     missed, frozen = [], []
@@ -346,7 +354,7 @@ def fill_optimizer(record, optimizer, mapping, model, placed=None):
             _assign(averager.slots[index][0], slot.value, what, record)
             placed.append((what, averager.slots[index][0], slot.value))
             continue
-        if _unused_buffer(inner, slot.slot):
+        if _unused_buffer(inner, slot.slot, state):
             continue
         attribute = table.get(slot.slot)
         target = getattr(inner, attribute, None) if attribute else None
@@ -405,11 +413,49 @@ def _warn_other_class(record, optimizer):
             "resume exactly.", stacklevel=4)
 
 
-def _unused_buffer(optimizer, slot):
+def _unused_buffer(optimizer, slot, state):
     """tf_keras' SGD keeps ``m = -lr * g`` even with ``momentum=0``, where
-    no later step reads it (Keras 3 creates no buffer then)."""
+    no later step reads it (Keras 3 creates no buffer then). Not where the
+    state stores a momentum other than 0 (an OptimizerV2's): its buffer
+    was used, and an SGD without momentum has no place for it."""
     return (type(optimizer).__name__ == "SGD" and slot in ("m", "momentum")
-            and not getattr(optimizer, "momentum", 0))
+            and not getattr(optimizer, "momentum", 0)
+            and not state.hyperparameters.get("momentum"))
+
+
+# OptimizerV2 hyperparameter variables that are not the Keras 3
+# argument of the same name: Nadam's `decay` is its `schedule_decay`.
+_OTHER_MEANING = {("Nadam", "decay")}
+
+
+def _warn_other_hyperparameters(record, optimizer):
+    """An OptimizerV2 stores its ``_set_hyper`` arguments as variables
+    (``momentum``, ``beta_1``, ``rho``, Ftrl's strengths, ``decay``): where
+    the optimizer given holds another value of one, training goes on under
+    the given one, and a warning names each."""
+    state = record.optimizer
+    if state.kind != "legacy":
+        return
+    saved = _class_of(state.class_name)
+    differ = []
+    for name, value in sorted(state.hyperparameters.items()):
+        if name.startswith("_") or name in configs.LEGACY_STATE_VARIABLES or (
+                (saved, name) in _OTHER_MEANING) or np.ndim(value) != 0:
+            continue
+        given = getattr(optimizer, name, None)
+        if isinstance(given, bool) or not isinstance(
+                given, (int, float, np.floating, np.integer)):
+            continue  # not an argument of the optimizer given
+        stored = np.float32(value)
+        if np.float32(given) != stored:
+            differ.append(f"{name}={float(str(stored))} (given {given})")
+    if differ:
+        warnings.warn(
+            f"{record.path}: the Keras 2 optimizer was trained with "
+            f"{', '.join(differ)}; the {type(optimizer).__name__} given holds "
+            "the values in parentheses, and training goes on under them. "
+            "Compile the model with the checkpoint's to resume exactly.",
+            stacklevel=4)
 
 
 def _assign(variable, value, what, record):

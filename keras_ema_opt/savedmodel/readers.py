@@ -334,6 +334,9 @@ def _read_new(graph, node, children, record, paths):
     for key in ("_learning_rate", "_current_learning_rate"):
         if key in children and state.learning_rate is None:
             state.learning_rate = _scalar(graph.value(children[key]))
+            # tf_keras keeps a schedule's rate as `_current_learning_rate`
+            # and a constant one as `_learning_rate`.
+            state.learning_rate_schedule = key == "_current_learning_rate"
     if "_u_product" in children:
         state.hyperparameters["_u_product"] = _scalar(
             graph.value(children["_u_product"]))

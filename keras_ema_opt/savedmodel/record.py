@@ -48,6 +48,10 @@ class OptimizerState:
             else ``None``.
         iterations: The number of optimizer steps taken.
         learning_rate: The stored learning-rate value, or ``None``.
+        learning_rate_schedule: Whether that value is a schedule's, the
+            rate of its last step (a Keras 2.11+ optimizer keeps a
+            schedule's ``_current_learning_rate``); the schedule itself is
+            in no checkpoint.
         hyperparameters: Other scalar state by name (OptimizerV2
             hyperparameter variables such as ``decay`` or
             ``momentum_cache``; ``_u_product`` for the new Nadam;
@@ -63,6 +67,7 @@ class OptimizerState:
     config: object = None
     iterations: int = 0
     learning_rate: object = None
+    learning_rate_schedule: bool = False
     hyperparameters: dict = dataclasses.field(default_factory=dict)
     slots: list = dataclasses.field(default_factory=list)
 
