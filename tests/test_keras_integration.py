@@ -91,14 +91,20 @@ def test_keras_file_round_trip_and_lockstep_resume(name, tmp_path):
     loaded = keras.saving.load_model(path)
     assert type(loaded.optimizer) is getattr(keras_ema_opt, name)
     assert loaded.optimizer.get_config() == model.optimizer.get_config()
-    for a, b in zip(loaded.optimizer.variables, model.optimizer.variables):
+    _loaded_moves_in_lockstep(loaded, model, x, y)
+
+
+def _loaded_moves_in_lockstep(loaded, model, x, y):
+    """The loaded model's optimizer state is the saved model's; both
+    continue three steps on the same batches and stay in lockstep."""
+    for a, b in zip(loaded.optimizer.variables, model.optimizer.variables,
+                    strict=True):
         np.testing.assert_array_equal(to_numpy(a), to_numpy(b))
-    # Continue both for three steps: they move in lockstep.
     for i in range(3, 6):
         batch = (x[(i % 4) * 8:(i % 4 + 1) * 8], y[(i % 4) * 8:(i % 4 + 1) * 8])
         model.train_on_batch(*batch)
         loaded.train_on_batch(*batch)
-    for a, b in zip(loaded.weights, model.weights):
+    for a, b in zip(loaded.weights, model.weights, strict=True):
         np.testing.assert_allclose(to_numpy(a), to_numpy(b), rtol=1e-6,
                                    atol=1e-7)
     for a, b in zip(loaded.optimizer.variables, model.optimizer.variables):
@@ -151,18 +157,7 @@ def test_h5_file_round_trip_and_lockstep_resume(case, tmp_path):
     shapes = [tuple(v.shape) for v in model.optimizer.variables]
     assert [tuple(v.shape) for v in loaded.optimizer.variables] == shapes
     assert len(shapes) > 3  # the slots and averages, not the scalars alone
-    for a, b in zip(loaded.optimizer.variables, model.optimizer.variables):
-        np.testing.assert_array_equal(to_numpy(a), to_numpy(b))
-    for i in range(3, 6):
-        batch = (x[(i % 4) * 8:(i % 4 + 1) * 8], y[(i % 4) * 8:(i % 4 + 1) * 8])
-        model.train_on_batch(*batch)
-        loaded.train_on_batch(*batch)
-    for a, b in zip(loaded.weights, model.weights):
-        np.testing.assert_allclose(to_numpy(a), to_numpy(b), rtol=1e-6,
-                                   atol=1e-7)
-    for a, b in zip(loaded.optimizer.variables, model.optimizer.variables):
-        np.testing.assert_allclose(to_numpy(a), to_numpy(b), rtol=1e-6,
-                                   atol=1e-7)
+    _loaded_moves_in_lockstep(loaded, model, x, y)
     assert int(to_numpy(loaded.optimizer.iterations)) == 6
 
 

@@ -155,40 +155,38 @@ def test_given_optimizer_without_the_checkpoints_momentum_is_refused(
     assert _next_loss(model) == pytest.approx(theirs, rel=1e-6)
 
 
-def test_given_hyperparameters_other_than_the_checkpoints_are_named(
-        tmp_path):
-    prefix, theirs = _checkpoint(
-        tmp_path, k2.optimizers.legacy.Adam(0.01, beta_1=0.8, beta_2=0.95))
-    with pytest.warns(UserWarning, match=r"trained with beta_1=0\.8 \(given "
-                      r"0\.9\), beta_2=0\.95 \(given 0\.999\); the Adam "
-                      "given"):
-        savedmodel.load_legacy(prefix, model=lambda: _k3_model(
-            keras_ema_opt.Adam(0.01)))
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        model = savedmodel.load_legacy(prefix, model=lambda: _k3_model(
-            keras_ema_opt.Adam(0.01, beta_1=0.8, beta_2=0.95)))
-    assert _next_loss(model) == pytest.approx(theirs, rel=1e-6)
+def _schedule(module):
+    return module.optimizers.schedules.ExponentialDecay(0.05, 1, 0.5)
 
 
-def test_a_schedules_last_rate_given_a_constant_rate_is_named(tmp_path):
+@pytest.mark.parametrize("trained, named, other, same", [
+    # An OptimizerV2 stores its betas as variables.
+    (lambda: k2.optimizers.legacy.Adam(0.01, beta_1=0.8, beta_2=0.95),
+     r"trained with beta_1=0\.8 \(given 0\.9\), beta_2=0\.95 \(given "
+     r"0\.999\); the Adam given",
+     lambda: keras_ema_opt.Adam(0.01),
+     lambda: keras_ema_opt.Adam(0.01, beta_1=0.8, beta_2=0.95)),
     # A Keras 2.11+ optimizer keeps a schedule's rate of its last step
     # (`_current_learning_rate`): an optimizer given a constant rate took
-    # it, and kept it, without a word.
-    def schedule(module):
-        return module.optimizers.schedules.ExponentialDecay(0.05, 1, 0.5)
-
-    prefix, theirs = _checkpoint(tmp_path, k2.optimizers.Adam(schedule(k2)))
-    with pytest.warns(UserWarning, match=r"learning rate was a schedule, at "
-                      r"0\.0125 on its last step; the Adam given has a "
-                      "constant rate"):
-        savedmodel.load_legacy(prefix, model=lambda: _k3_model(
-            keras_ema_opt.Adam(0.01)))
+    # it, and kept it.
+    (lambda: k2.optimizers.Adam(_schedule(k2)),
+     r"learning rate was a schedule, at 0\.0125 on its last step; the Adam "
+     "given has a constant rate",
+     lambda: keras_ema_opt.Adam(0.01),
+     lambda: keras_ema_opt.Adam(_schedule(keras))),
+], ids=["betas", "schedule"])
+def test_what_the_optimizer_given_holds_otherwise_is_named(
+        tmp_path, trained, named, other, same):
+    """Training went on under the optimizer given, without a word."""
+    prefix, theirs = _checkpoint(tmp_path, trained())
+    with pytest.warns(UserWarning, match=named):
+        savedmodel.load_legacy(prefix, model=lambda: _k3_model(other()))
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        model = savedmodel.load_legacy(prefix, model=lambda: _k3_model(
-            keras_ema_opt.Adam(schedule(keras))))
+        model = savedmodel.load_legacy(
+            prefix, model=lambda: _k3_model(same()))
     assert _next_loss(model) == pytest.approx(theirs, rel=1e-6)
+
 
 @pytest.mark.parametrize("option,value,text", [
     ("--model", "no_such_module_keo:build",
