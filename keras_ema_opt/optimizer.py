@@ -1050,6 +1050,7 @@ class Optimizer(backend.OptimizerHooks, keras.optimizers.Optimizer):
         grads_and_vars = list(grads_and_vars)
         if not grads_and_vars:
             return self._iterations
+        self._note_run_start()
         for pair in grads_and_vars:
             if not isinstance(pair, (tuple, list)) or len(pair) != 2:
                 # A ValueError, as Keras 2 and 3 raise here (unpacking).
@@ -1534,6 +1535,21 @@ class Optimizer(backend.OptimizerHooks, keras.optimizers.Optimizer):
         return self._require_averages("save_snapshot").save_snapshot(
             self, directory
         )
+
+    def _note_run_start(self):
+        """The step this process's run starts at, read at its first
+        ``apply_gradients`` (a custom loop's; ``fit()`` tells its
+        ``PowerEMASnapshots``): its first snapshot sets aside those of
+        later steps in the folder, which are not of its past. Only with
+        snapshots to write; None where the first call is traced."""
+        if "_keo_run_start" in self.__dict__ or not hasattr(
+                self.averaging, "gammas"):
+            return
+        try:
+            start = int(keras.ops.convert_to_numpy(self.iterations))
+        except Exception:  # a symbolic value, in a trace: not known
+            start = None
+        self.__dict__["_keo_run_start"] = start
 
     def _require_averages(self, what, slot=0):
         if self.averaging is not None:

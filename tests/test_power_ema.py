@@ -271,6 +271,41 @@ def test_a_new_run_in_a_used_snapshot_folder_sets_the_old_aside(tmp_path):
         to_numpy(b.optimizer.average_of(kernel, slot=0)), rtol=1e-5)
 
 
+
+def _loop_run(folder, target, every, steps):
+    """A custom loop from step 0 pulling ``w`` toward ``target``, a
+    snapshot every ``every`` steps; the optimizer."""
+    w = keras.Variable(np.zeros(2, "float32"), name="w")
+    opt = keras_ema_opt.SGD(0.1, averaging=keras_ema_opt.PowerEMA(
+        snapshot_every=every, snapshot_dir=str(folder)))
+    for step in range(1, steps + 1):
+        opt.minimize(lambda: keras.ops.sum((w - target) ** 2), [w])
+        if step % every == 0:
+            opt.save_snapshot()
+    return opt
+
+
+def test_a_new_custom_loop_in_a_used_snapshot_folder_sets_the_old_aside(
+        tmp_path):
+    # Run A, every 3 steps toward -10; run B, from step 0 every 5 toward
+    # +10. B's first snapshot (step 5) set aside A's later ones alone:
+    # A's of step 3 stayed, and synthesize mixed it into B's solve. The
+    # oracle: B's run alone, in a folder of its own.
+    folder = tmp_path / "snapshots"
+    _loop_run(folder, -10.0, every=3, steps=30)
+    with pytest.warns(UserWarning, match=r"10 power-EMA snapshot\(s\) .*"
+                      r"\(steps 3, 6, 9, \.\.\., 27, 30\) are not this "
+                      r"run's: this run started at step 0"):
+        b = _loop_run(folder, 10.0, every=5, steps=30)
+    alone = _loop_run(tmp_path / "alone", 10.0, every=5, steps=30)
+    names = sorted(p.name for p in folder.glob("phema-*.npz"))
+    assert names == sorted(p.name for p in (tmp_path / "alone").glob(
+        "phema-*.npz"))
+    for sigma_rel, step in ((0.2, 5), (0.25, 10), (0.1, None)):
+        np.testing.assert_array_equal(
+            b.averaging.synthesize(sigma_rel, step=step)["w"],
+            alone.averaging.synthesize(sigma_rel, step=step)["w"])
+
 def test_a_snapshot_of_an_earlier_step_sets_the_later_ones_aside(tmp_path):
     from keras_ema_opt.averaging import posthoc
 

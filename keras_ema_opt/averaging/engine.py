@@ -16,6 +16,7 @@ JAX's stateless steps carry them):
 
 import collections
 import contextlib
+import os
 import warnings
 
 import keras
@@ -461,6 +462,20 @@ class Averager:
         step = int(ops.convert_to_numpy(optimizer.iterations))
         if not backend.is_chief():
             return None  # the chief writes the same averages
+        # A custom loop's first snapshot into a folder: what the folder
+        # holds of steps after the one its run started at is not of its
+        # past (another run's, or steps a resumed run takes again), as
+        # `PowerEMASnapshots` sets aside when a fit() starts.
+        start = optimizer.__dict__.get("_keo_run_start")
+        folders = self.__dict__.setdefault("_snapshot_folders", set())
+        if start is not None and os.path.abspath(directory) not in folders:
+            folders.add(os.path.abspath(directory))
+            posthoc.set_aside(
+                directory, after=start,
+                why=f"this run started at step {start}, so they are another "
+                "run's (the folder used again)" + (
+                    "" if start == 0 else ", or of the steps it takes again "
+                    "(resumed from an earlier point)"))
         return posthoc.write_snapshot(
             directory, step, strategy.gammas, strategy.every, arrays
         )
