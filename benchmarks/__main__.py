@@ -564,17 +564,21 @@ def write(results, out, device, meta=None):
              "table": out / f"{device}-table.md",
              "summary": out / f"{device}-summary.md",
              "plot": out / f"{device}-plot.png"}
-    for kind, path in paths.items():
-        tmp = path.with_suffix(path.suffix + ".tmp")
-        if kind == "json":
-            tmp.write_text(json.dumps(payload, indent=1))
-        elif kind == "table":
-            tmp.write_text(table(results, device, meta))
-        elif kind == "summary":
-            tmp.write_text(summary(results))
-        else:
-            plot(results, tmp)
-        os.replace(tmp, path)
+    # All four made first, then renamed: a failure leaves the earlier set
+    # whole, not a part of a new one beside it.
+    tmps = {kind: path.with_suffix(path.suffix + ".tmp")
+            for kind, path in paths.items()}
+    try:
+        tmps["json"].write_text(json.dumps(payload, indent=1))
+        tmps["table"].write_text(table(results, device, meta))
+        tmps["summary"].write_text(summary(results))
+        plot(results, tmps["plot"])
+        for kind, path in paths.items():
+            os.replace(tmps[kind], path)
+    finally:
+        for tmp in tmps.values():
+            if tmp.exists():
+                tmp.unlink()
     return paths
 
 
@@ -662,6 +666,11 @@ def main(argv=None):
     if args.step_rounds < 1:
         parser.error("--step-rounds: at least 1 round is needed. Received: "
                      f"{args.step_rounds}")
+    backends = common.comma_list(parser, "--backends", args.backends,
+                                 BACKENDS)
+    if not backends and not args.from_json:
+        parser.error(f"--backends: at least one of {', '.join(BACKENDS)} "
+                     f"is needed. Received: {args.backends!r}")
     if args.from_json:
         try:
             device, meta, results = merge_files(args.from_json)
@@ -669,8 +678,7 @@ def main(argv=None):
             parser.error(str(e))
     else:
         device = device_kind()
-        results = collect([b for b in args.backends.split(",") if b],
-                          fit=not args.no_fit, memory=not args.no_memory,
+        results = collect(backends, fit=not args.no_fit, memory=not args.no_memory,
                           step_rounds=args.step_rounds,
                           step=not args.no_step)
         meta = machine_meta(device, results)

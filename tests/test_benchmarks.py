@@ -539,6 +539,45 @@ def test_step_rounds_must_be_positive(capsys):
     assert "Received: 0" in capsys.readouterr().err
 
 
+
+@pytest.mark.parametrize("value, named", [
+    ("bogus", "--backends: unknown bogus; accepted: jax, tensorflow, torch"),
+    ("jax,bogus", "--backends: unknown bogus"),
+    ("", "--backends: at least one of jax, tensorflow, torch is needed. "
+     "Received: ''"),
+    (",", "Received: ','"),
+])
+def test_backends_are_checked_before_anything_runs(monkeypatch, capsys,
+                                                   tmp_path, value, named):
+    # An unknown backend ended in a traceback of its child process; none
+    # wrote empty results, then failed in the plot.
+    monkeypatch.setattr(driver, "collect", lambda *a, **k: pytest.fail(
+        "collected"))
+    with pytest.raises(SystemExit) as info:
+        driver.main(["--backends", value, "--out", str(tmp_path / "out")])
+    assert info.value.code == 2
+    assert named in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+
+
+def test_results_are_written_all_together_or_not_at_all(monkeypatch,
+                                                        tmp_path):
+    results = [_result("step", "ours", 1.0)]
+    before = driver.write(results, tmp_path, "cpu")
+    kept = {kind: path.read_bytes() for kind, path in before.items()}
+
+    def failing_plot(results, path):
+        raise RuntimeError("no plot")
+
+    monkeypatch.setattr(driver, "plot", failing_plot)
+    with pytest.raises(RuntimeError, match="no plot"):
+        driver.write(results + [_result("step", "keras", 2.0)], tmp_path,
+                     "cpu")
+    # The earlier set whole, no new part beside it, no temporary file.
+    assert {kind: path.read_bytes() for kind, path in before.items()} == kept
+    assert sorted(os.listdir(tmp_path)) == [
+        "cpu-plot.png", "cpu-results.json", "cpu-summary.md", "cpu-table.md"]
+
 def test_sections_run_alone(monkeypatch, capsys):
     """--no-step runs the fit or memory section alone (a lease too short
     for a whole run does one section a call); all three off is refused."""
