@@ -45,6 +45,10 @@ def _demo(args):
     except InvalidArgumentError as e:
         print(f"keras-ema-opt demo: {e}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:
+        # Its files are written whole or not at all, its scratch removed.
+        print("keras-ema-opt demo: interrupted", file=sys.stderr)
+        return 130
     except Exception as e:  # one line, non-zero exit (an unwritable folder)
         return _report("demo", e)
     print()

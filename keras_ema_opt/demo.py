@@ -12,6 +12,7 @@ curves, and saves the averaged model as ``.keras``.
 import json
 import logging
 import os
+import shutil
 import tempfile
 import time
 
@@ -97,8 +98,9 @@ def run_demo(output_dir, epochs=12, seed=0, plot=True):
     """Run the demo; returns its results as a dict.
 
     Args:
-        output_dir: Folder for ``demo.png``, ``averaged.keras``,
-            ``results.json`` and the power-EMA snapshots.
+        output_dir: Folder for ``demo.png``, ``averaged.keras`` and
+            ``results.json`` (the power-EMA snapshots are written in a
+            temporary folder in it, removed as the demo ends).
         epochs: Training epochs per run.
         seed: Seed of the split and of the initial weights.
         plot: Write the PNG (needs matplotlib).
@@ -124,7 +126,17 @@ def run_demo(output_dir, epochs=12, seed=0, plot=True):
     data = load_digits(seed)
     os.makedirs(output_dir, exist_ok=True)
     steps = int(np.ceil(len(data[0][0]) / 32)) * epochs
+    # The power-EMA snapshots are the demo's scratch: removed as it ends,
+    # also when it is stopped (they were left, a new folder each run).
     snapshots = tempfile.mkdtemp(prefix="phema-", dir=output_dir)
+    try:
+        return _run(data, epochs, seed, plot, output_dir, snapshots, steps,
+                    start)
+    finally:
+        shutil.rmtree(snapshots, ignore_errors=True)
+
+
+def _run(data, epochs, seed, plot, output_dir, snapshots, steps, start):
     names = [f"{run} {kind}" for run in ("EMA", "SWA", "PowerEMA")
              for kind in ("raw", "avg")]
     progbar = keras.utils.Progbar(3 * epochs, unit_name="epoch",
@@ -154,7 +166,8 @@ def run_demo(output_dir, epochs=12, seed=0, plot=True):
     final = {
         "raw weights": ema.raw[-1],
         "EMA (0.99, num_updates warm-up)": ema.averaged[-1],
-        f"SWA (last {epochs - epochs // 2} epochs)": swa.averaged[-1],
+        f"SWA (last {steps - steps // 2} of {steps} steps)":
+            swa.averaged[-1],
     }
     for sigma, value in posthoc.items():
         final[f"post-hoc power EMA, sigma_rel={sigma:.2f}"] = value

@@ -123,7 +123,13 @@ def test_demo_runs_and_writes_its_files(tmp_path, capsys):
     assert all(0.5 < v <= 1.0 for v in result["final"].values())
     model = keras.saving.load_model(tmp_path / "averaged.keras")
     assert type(model.optimizer) is keras_ema_opt.Adam
-    assert not [p for p in tmp_path.iterdir() if p.name.startswith("tmp")]
+    # Its files alone: the power-EMA snapshots' scratch folder is gone
+    # (one of 6 MB was left by each run).
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "averaged.keras", "demo.png", "results.json"]
+    # SWA starts halfway through the steps, and says so.
+    [(last, total)] = re.findall(r"SWA \(last (\d+) of (\d+) steps\)", out)
+    assert int(last) == int(total) - int(total) // 2
     # Written through temporary files, with the mode a new file gets
     # (mkstemp's 0600 was kept by the rename).
     umask = os.umask(0)
@@ -131,6 +137,22 @@ def test_demo_runs_and_writes_its_files(tmp_path, capsys):
     for name in ("demo.png", "averaged.keras", "results.json"):
         assert (tmp_path / name).stat().st_mode & 0o777 == 0o666 & ~umask
 
+
+
+def test_demo_stopped_says_so_and_leaves_no_scratch(tmp_path, capsys,
+                                                    monkeypatch):
+    pytest.importorskip("sklearn")
+    from keras_ema_opt import demo
+
+    def stopped(*args, **kwargs):
+        assert [p.name for p in tmp_path.iterdir()][0].startswith("phema-")
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(demo, "_train", stopped)
+    assert cli.main(["demo", "--output", str(tmp_path), "--epochs", "1",
+                     "--no-plot"]) == 130
+    assert capsys.readouterr().err == "keras-ema-opt demo: interrupted\n"
+    assert list(tmp_path.iterdir()) == []
 
 def test_saved_files_get_a_new_files_mode(tmp_path):
     from keras_ema_opt.averaging import posthoc
