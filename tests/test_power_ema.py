@@ -324,6 +324,20 @@ def test_a_snapshot_of_an_earlier_step_sets_the_later_ones_aside(tmp_path):
         "phema-000000030.npz", "phema-000000040.npz"]
 
 
+
+def test_other_files_in_a_snapshot_folder_are_not_read(tmp_path):
+    # Snapshots are `phema-<step>.npz`; `phema-notes.npz` (a user's
+    # file) made synthesize fail, where set_aside passed it over.
+    from keras_ema_opt.averaging import posthoc
+
+    for step in (10, 20):
+        posthoc.write_snapshot(tmp_path, step, [6.0], 1,
+                               {"0/w": np.full(2, step, "float32")})
+    expected = posthoc.synthesize(str(tmp_path), 6.0)
+    np.savez(tmp_path / "phema-notes.npz", w=np.zeros(2))
+    result = posthoc.synthesize(str(tmp_path), 6.0)
+    np.testing.assert_array_equal(result["w"], expected["w"])
+
 @only_on("jax", "tensorflow")  # Keras runs steps_per_execution=1 on torch
 def test_snapshot_steps_when_epochs_end_in_a_shorter_call(tmp_path):
     # 10 batches an epoch in calls of 3: each epoch ends with a call of 1,

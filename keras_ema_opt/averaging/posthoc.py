@@ -199,9 +199,12 @@ def _read_arrays(path):
 
 def _index(directory, max_step=None):
     """``[(meta, path)]`` of the snapshots in ``directory`` (up to
-    ``max_step``), sorted by step; reads only their metadata."""
+    ``max_step``), sorted by step; reads only their metadata. Files are
+    snapshots by their names' pattern, ``phema-<step>.npz``, as
+    ``set_aside`` takes them (another file, ``phema-notes.npz``, made the
+    whole reconstruction fail)."""
     out = []
-    for path in sorted(glob.glob(os.path.join(directory, _SNAPSHOT_GLOB))):
+    for path in sorted(_snapshot_steps(directory).values()):
         meta = _read_meta(path)
         if max_step is None or meta["step"] <= max_step:
             out.append((meta, path))
