@@ -281,6 +281,10 @@ def test_subclassed_model_resumes_like_tf_keras(tmp_path, fmt):
         model.compile(optimizer=keras_ema_opt.Adam(0.01), loss="mse")
         return model
 
+    # Without it: a class Keras 3 cannot build (a SavedModel's config), or
+    # no config (a checkpoint); each error names `--model`.
+    with pytest.raises(LegacyConfigError, match=r"`--model module:function`"):
+        savedmodel.load_legacy(path)
     model = savedmodel.load_legacy(path, model=build)
     assert int(to_numpy(model.optimizer.iterations)) == 3
     for x, y in batches[3:]:

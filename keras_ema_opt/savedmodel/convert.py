@@ -68,7 +68,9 @@ def build_model(record, custom_objects=None, safe_mode=True):
         raise LegacyConfigError(
             f"{record.path}: Keras 3 cannot build the Keras 2 model config "
             f"({type(e).__name__}: {_first_line(e)}). A custom class comes "
-            "in through `custom_objects` / `--custom-objects module`."
+            "in through `custom_objects` / `--custom-objects module`; a "
+            "subclassed model, which your code builds, through `model=` / "
+            "`--model module:function`."
         ) from e
 
 
