@@ -8,6 +8,7 @@ import re
 import keras
 import numpy as np
 import pytest
+from conftest import only_on
 from conftest import to_numpy
 
 import keras_ema_opt
@@ -439,6 +440,29 @@ def test_float32_averages_of_low_precision_weights(dtype):
     opt.finalize_variable_values([w])
     assert keras.backend.standardize_dtype(w.dtype) == dtype
 
+
+
+@only_on("tensorflow")
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_float32_averages_of_low_precision_weights_under_xla(dtype):
+    # The step in a function XLA compiles (a GPU's fit()): XLA, allowed
+    # excess precision, dropped the rounding of the new weights to their
+    # dtype, and the average mixed the unrounded ones (8e-5 off here).
+    import tensorflow as tf
+
+    w = keras.Variable(np.linspace(-1, 1, 64).astype("float32"), dtype=dtype)
+    opt = keras_ema_opt.SGD(learning_rate=0.01, averaging=keras_ema_opt.EMA(
+        0.9, average_dtype="float32"))
+    opt.build([w])
+    grad = keras.ops.cast(np.cos(np.arange(64)), dtype)
+    step = tf.function(lambda: opt.apply_gradients([(grad, w)]),
+                       jit_compile=True)
+    expected = to_numpy(w).astype(np.float64)
+    for _ in range(10):
+        step()
+        expected = 0.9 * expected + 0.1 * to_numpy(w).astype(np.float64)
+    np.testing.assert_allclose(to_numpy(opt.average_of(w)), expected,
+                               rtol=1e-6, atol=1e-7)
 
 
 @pytest.mark.parametrize("dtype,momentum", [("bfloat16", 0.999),

@@ -54,8 +54,9 @@ here. Each backend module provides the same set:
   made under its own.
 - ``widen(value, dtype)``: a half-precision variable's value cast to the
   wider dtype its averages are mixed in, holding exactly what the
-  variable holds (JAX: the rounding XLA would drop inside a compiled
-  step, where the value was just computed in float32, is kept).
+  variable holds (JAX, and TensorFlow in a function XLA compiles: the
+  rounding XLA would drop, where the value was just computed in float32,
+  is kept).
 - ``fit_failed()``: whether ``finalize_variable_values`` is being called
   by a ``fit()`` ending in an exception (JAX's ``fit()`` calls it from a
   ``finally`` block; the others only after their epochs).

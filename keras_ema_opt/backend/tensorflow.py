@@ -6,6 +6,8 @@ import weakref
 import numpy as np
 import tensorflow as tf
 from keras.src.backend.tensorflow.optimizer import TFOptimizer
+from tensorflow.python.framework import ops as tf_ops
+from tensorflow.python.ops import control_flow_util
 
 import keras
 from keras_ema_opt.backend import _common
@@ -118,7 +120,24 @@ def build_scope():
     return contextlib.nullcontext()
 
 
-widen = _common.widen
+def widen(value, dtype):
+    """``value`` cast to the wider ``dtype``, holding exactly what its own
+    (half-precision) dtype holds. In a function XLA compiles, the new
+    weight is a float32 result cast to bfloat16 or float16, and XLA, which
+    allows excess precision, drops that rounding and its cast back (the
+    average mixed the unrounded update, as on JAX): XLA's
+    ``reduce_precision`` keeps it. Elsewhere, a cast."""
+    out = tf.cast(value, dtype)
+    source = tf.as_dtype(value.dtype)
+    if source in (tf.bfloat16, tf.float16) and out.dtype.size > source.size \
+            and control_flow_util.GraphOrParentsInXlaContext(
+                tf_ops.get_default_graph()):
+        from tensorflow.compiler.tf2xla.python import xla as tf_xla
+
+        bits = {tf.bfloat16: (8, 7), tf.float16: (5, 10)}[source]
+        out = tf_xla.reduce_precision(out, exponent_bits=bits[0],
+                                      mantissa_bits=bits[1])
+    return out
 
 
 @contextlib.contextmanager
