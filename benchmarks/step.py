@@ -69,14 +69,27 @@ def keras_optimizer(kind):
 
 def keras_step(kind):
     """(step, sync) for a Keras optimizer on this backend."""
+    variables, grads = keras_inputs()
+    opt = keras_optimizer(kind)
+    opt.build(variables)
+    return keras_stepper(kind, opt, variables, grads)
+
+
+def keras_inputs():
+    """The benchmark's weights (Keras variables) and gradients."""
     import keras
 
     variables, grads = [], []
     for w, g in tensors():
         variables.append(keras.Variable(w))
         grads.append(keras.ops.convert_to_tensor(g))
-    opt = keras_optimizer(kind)
-    opt.build(variables)
+    return variables, grads
+
+
+def keras_stepper(kind, opt, variables, grads):
+    """(step, sync) of the built Keras optimizer ``opt`` of ``kind``, as
+    ``fit()`` steps it on this backend: TensorFlow's step is traced here;
+    JAX compiles its step at the first call."""
     if BACKEND == "torch":
         import torch
 

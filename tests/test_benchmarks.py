@@ -76,6 +76,30 @@ def test_step_and_fit_benchmarks_run_on_this_backend():
     assert 0 <= memory[0]["runtime_bytes"] <= memory[0]["growth_bytes"]
 
 
+
+def test_memory_phases_account_for_the_state_they_make():
+    # 20 tensors of 50,000 floats: 4 MB a set, far above the allocator's
+    # slack, so each phase that makes state grows by its bytes at least.
+    out = run_python("-m", "benchmarks.memory_phases", "ours:ema",
+                     backend=BACKEND, timeout=300,
+                     **dict(SMALL, KEO_BENCH_TENSORS="20",
+                            KEO_BENCH_SIZE="50000"))
+    rows = {r["phase"]: r for r in _bench_lines(out.stdout)}
+    assert list(rows) == [
+        "runtime started", "weights and gradients", "optimizer built",
+        "step made (TensorFlow: traced)", "first step (JAX: compiled)",
+        "9 more steps"]
+    n = 20 * 50_000 * 4
+    assert rows["weights and gradients"]["state_bytes"] == 2 * n
+    assert rows["optimizer built"]["state_bytes"] == 3 * n  # m, v, average
+    for phase in ("weights and gradients", "optimizer built"):
+        grown = rows[phase]["anonymous_bytes"] + rows[phase]["file_bytes"]
+        assert grown >= 0.95 * rows[phase]["state_bytes"], phase
+    assert "growth / state:" in out.stderr
+    with pytest.raises(AssertionError, match="accepted: keras"):
+        run_python("-m", "benchmarks.memory_phases", "no_such",
+                   backend=BACKEND, timeout=120)
+
 _HEAP_CHURN = """
 import ctypes, json, resource, sys, threading
 from benchmarks import common
