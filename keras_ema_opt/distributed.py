@@ -81,6 +81,10 @@ def save_on_chief(model, filepath):
     Raises:
         InvalidArgumentError: ``filepath`` ends in none of those, on every
             process.
+        OSError: the file cannot be written (its folder is a file, no
+            permission): on the chief alone. The other processes are not
+            told, and wait in their next collective until its timeout
+            (JAX's has none): check the path before training.
 
     Example:
 
