@@ -246,6 +246,25 @@ def test_a_callable_var_list_runs_the_losss_side_effects_once(lazy):
         np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)
 
 
+
+def test_a_callable_var_list_whose_loss_makes_a_variable_from_a_value():
+    # Keras refuses to make a variable from a value in a StatelessScope,
+    # where JAX's first run of the loss goes: that run is then a plain one.
+    def run(make, optimizers):
+        store = {}
+
+        def loss():
+            if "w" not in store:
+                store["w"] = make(np.array([1.0, -2.0], "float32"))
+            return store["w"] * store["w"]
+
+        optimizers.SGD(0.1).minimize(loss, lambda: [store["w"]])
+        return np.asarray(store["w"].numpy())
+
+    np.testing.assert_allclose(run(keras.Variable, keras_ema_opt),
+                               run(tf.Variable, tf_keras.optimizers),
+                               rtol=1e-6)
+
 @pytest.mark.parametrize("shape", ["flat", "triples"])
 def test_malformed_pairs_raise_a_value_error_as_in_keras2(shape):
     """Not (gradient, variable) pairs: Keras 2 (and 3) raise ValueError

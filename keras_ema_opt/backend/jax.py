@@ -264,11 +264,21 @@ def compute_gradients(loss, var_list, tape=None):
     its own: what it assigns (BatchNorm's statistics, a dropout seed) is
     dropped, and the traced run's is kept, so the loss's side effects
     happen once, as on TensorFlow (they happened twice). The variables it
-    creates are made when that scope ends, from their initializers.
+    creates are made when that scope ends, from their initializers (one
+    made from a value, which Keras refuses there, makes that first run a
+    plain one).
     """
     _common.check_no_tape(tape, "jax")
     if callable(var_list):
-        with StatelessScope():
+        try:
+            with StatelessScope():
+                loss()
+        except ValueError as e:
+            if "while in a stateless scope" not in str(e):
+                raise
+            # A variable the loss makes from a value, not an initializer,
+            # cannot be made in a StatelessScope: the first run is a plain
+            # one (its side effects then happen twice, this call alone).
             loss()
         var_list = var_list()
     var_list = list(var_list)
