@@ -468,8 +468,9 @@ class Averager:
         # `PowerEMASnapshots` sets aside when a fit() starts.
         start = optimizer.__dict__.get("_keo_run_start")
         folders = self.__dict__.setdefault("_snapshot_folders", set())
-        if start is not None and os.path.abspath(directory) not in folders:
-            folders.add(os.path.abspath(directory))
+        folder = os.path.abspath(directory)
+        if start is not None and folder not in folders:
+            folders.add(folder)
             posthoc.set_aside(
                 directory, after=start,
                 why=f"this run started at step {start}, so they are another "

@@ -30,6 +30,7 @@ sum_over_processes = _common.sum_over_processes
 on_create = _common.on_create
 build_scope = _common.build_scope
 state_variable_role = _common.state_variable_role
+lerp_averages = _common.lerp_averages
 
 
 def widen(value, dtype):
@@ -48,7 +49,6 @@ def widen(value, dtype):
         out = jax.lax.reduce_precision(out, exponent_bits=info.nexp,
                                        mantissa_bits=info.nmant)
     return out
-lerp_averages = _common.lerp_averages
 
 
 class OptimizerHooks:
