@@ -350,20 +350,21 @@ class PowerEMASnapshots(keras.callbacks.Callback):
             self._optimizer.averaging.snapshot_every)
         if self._first_epoch:
             self._first_epoch = False
-            if backend.is_chief():
-                # Where training starts (after any restore), no snapshot
-                # of a later step can be this run's: another run's (from
-                # step 0, whatever the folder holds), or of the steps a
-                # resumed run takes again, on any grid of steps.
-                from keras_ema_opt.averaging import posthoc
+            # Where training starts (after any restore), no snapshot of a
+            # later step can be this run's: another run's (from step 0,
+            # whatever the folder holds), or of the steps a resumed run
+            # takes again, on any grid of steps. The chief sets them
+            # aside; every process learns whether that failed.
+            from keras_ema_opt.averaging import posthoc
 
-                start = self._real_steps(self._micro)
-                posthoc.set_aside(
-                    self._optimizer.averaging.snapshot_dir, after=start,
-                    why=f"this run starts at step {start}, so they are "
-                    "another run's (the folder used again)" + (
-                        "" if start == 0 else ", or of the steps it takes "
-                        "again (resumed from an earlier point)"))
+            start = self._real_steps(self._micro)
+            folder = self._optimizer.averaging.snapshot_dir
+            distributed.on_chief(lambda: posthoc.set_aside(
+                folder, after=start,
+                why=f"this run starts at step {start}, so they are "
+                "another run's (the folder used again)" + (
+                    "" if start == 0 else ", or of the steps it takes "
+                    "again (resumed from an earlier point)")), folder)
 
     def on_train_batch_end(self, batch, logs=None):
         # `batch` is the last step of the call (several under

@@ -55,3 +55,20 @@ class LegacyStateError(ValueError):
     """Keras 2 training state that does not fit the Keras 3 model or
     optimizer it is migrated into: a missing variable, a shape mismatch, a
     slot with no place. The message names the variable or slot."""
+
+
+class ChiefWriteError(OSError):
+    """A file that the chief process writes for every process
+    (``distributed.save_on_chief``, ``AveragedCheckpoint``, a ``PowerEMA``
+    snapshot) could not be written there. Raised on each of the other
+    processes, at the same call, so that none of them waits for the chief
+    in a later collective; the chief raises its own error (an ``OSError``
+    where the file system refused), which names the cause.
+
+    Attributes:
+        path: The file or folder the chief was writing.
+    """
+
+    def __init__(self, message, path=None):
+        super().__init__(message)
+        self.path = None if path is None else str(path)

@@ -1504,7 +1504,9 @@ class Optimizer(backend.OptimizerHooks, keras.optimizers.Optimizer):
         """Write a snapshot of the power-EMA averages (``PowerEMA`` only).
 
         ``fit()`` users add the ``PowerEMASnapshots`` callback instead; a
-        custom loop calls this every ``snapshot_every`` steps.
+        custom loop calls this every ``snapshot_every`` steps. In a
+        multi-process run, every process calls it: the chief writes the
+        file, and every process then learns whether that failed.
 
         Args:
             directory: The folder (default: the ``PowerEMA``'s
@@ -1513,6 +1515,12 @@ class Optimizer(backend.OptimizerHooks, keras.optimizers.Optimizer):
         Returns:
             The path of the snapshot file; ``None`` on a process that is
             not the chief of a multi-process run (the chief writes it).
+
+        Raises:
+            OSError: the snapshot cannot be written (the folder is a file,
+                no permission): on the chief, and as a
+                ``keras_ema_opt.errors.ChiefWriteError`` on every other
+                process of a multi-process run.
 
         Example:
 

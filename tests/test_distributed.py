@@ -64,6 +64,22 @@ def _only_the_chief_wrote(out, results, averaged):
         averaged, "mid.keras"]
 
 
+def _assert_every_process_raised(out, results):
+    """A ``save_on_chief`` and a PowerEMA snapshot into a folder that is a
+    file (``common.failed_writes``): the chief raised its own ``OSError``,
+    every other process a ``ChiefWriteError`` at the same call (none went
+    on to wait for the chief in a collective), and a collective after them
+    still joined every process. Nothing was written."""
+    for i, result in enumerate(results):
+        raised = result["failed_writes"]
+        assert raised["in_step"] is True, i
+        for write in ("save_on_chief", "snapshot"):
+            name, is_os_error = raised[write] or (None, None)
+            assert is_os_error, (i, write, raised[write])
+            assert (name == "ChiefWriteError") == (i > 0), (i, write, name)
+    assert (out / "not-a-folder").is_file()
+
+
 def _resumed(path, backend):
     """``path`` loaded under ``backend`` (here, or in a fresh process) and
     trained the steps after the save: its state."""
@@ -187,6 +203,11 @@ def test_torch_ddp_only_rank_0_writes_files(torch_run):
     assert ranks[1]["callback_wrote"] == []
     assert sorted(p.name for p in out.glob("*.keras")) == [
         "averaged-1.keras", "mid.keras"]
+
+
+@only_on("torch")
+def test_torch_ddp_a_write_failing_on_rank_0_raises_on_every_rank(torch_run):
+    _assert_every_process_raised(*torch_run)
 
 
 @only_on("torch")
@@ -351,6 +372,13 @@ def test_tf_multiworker_only_the_chief_writes(tf_runs):
 
 
 @only_on("tensorflow")
+@pytest.mark.parametrize("kind", ["mirrored", "multiworker"])
+def test_tf_a_write_failing_on_the_chief_raises_on_every_worker(tf_runs,
+                                                                kind):
+    _assert_every_process_raised(*tf_runs[kind])
+
+
+@only_on("tensorflow")
 @pytest.mark.parametrize("kind,resume_backend", [
     ("multiworker", "tensorflow"), ("mirrored", "torch")])
 def test_tf_distribute_save_resumes_in_one_process(tf_runs, kind,
@@ -471,6 +499,13 @@ def test_jax_model_parallel_shards_as_the_layout_map_says(jax_runs):
 def test_jax_multiprocess_only_process_0_writes(jax_runs):
     _only_the_chief_wrote(*jax_runs["multiprocess"],
                           "averaged-process0-1.keras")
+
+
+@only_on("jax")
+@pytest.mark.parametrize("mode", ["dataparallel", "multiprocess"])
+def test_jax_a_write_failing_on_process_0_raises_on_every_process(jax_runs,
+                                                                  mode):
+    _assert_every_process_raised(*jax_runs[mode])
 
 
 @only_on("jax")

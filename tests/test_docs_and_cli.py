@@ -24,6 +24,7 @@ PUBLIC = [getattr(keras_ema_opt, n) for n in keras_ema_opt.__all__
     keras_ema_opt.callbacks.AveragedCheckpoint,
     keras_ema_opt.callbacks.PowerEMASnapshots,
     keras_ema_opt.Optimizer.swap_average,
+    keras_ema_opt.distributed.on_chief,
     keras_ema_opt.averaging.assign_by_path,
     compat.from_legacy_config,
     keras_ema_opt.savedmodel.migrate,

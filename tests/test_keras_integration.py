@@ -192,6 +192,22 @@ def test_save_on_chief_writes_h5_and_keeps_the_compile_config(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == [
         "after.keras", "model.h5", "model.hdf5"]
 
+def test_save_on_chief_into_a_folder_that_is_a_file(tmp_path):
+    """In one process (the chief), the file system's own error, and no
+    file left behind; `on_chief` gives back what the write returned. The
+    other processes of a run raise `ChiefWriteError` at the same call
+    (tests/test_distributed.py)."""
+    model = _model()
+    model.compile(optimizer=keras_ema_opt.Adam(0.01, use_ema=True),
+                  loss="mean_squared_error")
+    (tmp_path / "file").write_text("")
+    with pytest.raises(FileExistsError):
+        keras_ema_opt.distributed.save_on_chief(
+            model, tmp_path / "file" / "model.keras")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["file"]
+    assert keras_ema_opt.distributed.on_chief(lambda: 7, "x") == 7
+
+
 def test_custom_loop_with_minimize_and_ema():
     x, y = _data()
     model = _model()

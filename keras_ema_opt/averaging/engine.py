@@ -435,6 +435,7 @@ class Averager:
 
     def save_snapshot(self, optimizer, directory=None):
         """Write the averages of every slot to a snapshot file (PowerEMA)."""
+        from keras_ema_opt import distributed
         from keras_ema_opt.averaging import posthoc
 
         strategy = self.strategy
@@ -460,26 +461,30 @@ class Averager:
                 # Whole, on every process (the chief writes it).
                 arrays[f"{index}/{name}"] = backend.host_array(slot.value)
         step = int(ops.convert_to_numpy(optimizer.iterations))
-        if not backend.is_chief():
-            return None  # the chief writes the same averages
-        # A custom loop's first snapshot into a folder: what the folder
-        # holds of steps after the one its run started at is not of its
-        # past (another run's, or steps a resumed run takes again), as
-        # `PowerEMASnapshots` sets aside when a fit() starts.
-        start = optimizer.__dict__.get("_keo_run_start")
-        folders = self.__dict__.setdefault("_snapshot_folders", set())
-        folder = os.path.abspath(directory)
-        if start is not None and folder not in folders:
-            folders.add(folder)
-            posthoc.set_aside(
-                directory, after=start,
-                why=f"this run started at step {start}, so they are another "
-                "run's (the folder used again)" + (
-                    "" if start == 0 else ", or of the steps it takes again "
-                    "(resumed from an earlier point)"))
-        return posthoc.write_snapshot(
-            directory, step, strategy.gammas, strategy.every, arrays
-        )
+
+        def write():
+            # A custom loop's first snapshot into a folder: what the folder
+            # holds of steps after the one its run started at is not of
+            # its past (another run's, or steps a resumed run takes
+            # again), as `PowerEMASnapshots` sets aside when a fit()
+            # starts.
+            start = optimizer.__dict__.get("_keo_run_start")
+            folders = self.__dict__.setdefault("_snapshot_folders", set())
+            folder = os.path.abspath(directory)
+            if start is not None and folder not in folders:
+                posthoc.set_aside(
+                    directory, after=start,
+                    why=f"this run started at step {start}, so they are "
+                    "another run's (the folder used again)" + (
+                        "" if start == 0 else ", or of the steps it takes "
+                        "again (resumed from an earlier point)"))
+                folders.add(folder)
+            return posthoc.write_snapshot(
+                directory, step, strategy.gammas, strategy.every, arrays)
+
+        # The chief writes the averages every process holds; every process
+        # learns whether that failed (`None` elsewhere).
+        return distributed.on_chief(write, directory)
 
     # -- swapping -----------------------------------------------------------
 

@@ -88,6 +88,10 @@ here. Each backend module provides the same set:
   engine's ``keras.ops`` update.
 - ``is_chief()``: whether this process is the one that writes files
   (rank 0, process 0, the chief worker).
+- ``any_process(flag)``: whether ``flag`` is true on any process of a
+  multi-process run, a collective every process joins (PyTorch: an
+  all-reduce over the group; TensorFlow: over a multi-worker strategy's
+  workers; JAX: an all-gather over ``jax.distributed``'s processes).
 - ``attach_model(optimizer, model)``: let ``fit()`` on ``model`` feed the
   model's new non-trainable values to the averaging (JAX wraps the model's
   ``train_step``; a no-op elsewhere).
@@ -133,6 +137,7 @@ step_gradients = _impl.step_gradients
 mark_step_made = _impl.mark_step_made
 sync_initial_state = _impl.sync_initial_state
 is_chief = _impl.is_chief
+any_process = _impl.any_process
 on_create = _impl.on_create
 chief_only_scope = _impl.chief_only_scope
 lerp_averages = _impl.lerp_averages
@@ -166,6 +171,7 @@ __all__ = [
     "mark_step_made",
     "sync_initial_state",
     "is_chief",
+    "any_process",
     "on_create",
     "chief_only_scope",
     "lerp_averages",

@@ -151,6 +151,12 @@ def is_chief():
     return True
 
 
+def any_process(flag):
+    """Whether ``flag`` is true on any process of a multi-process run (a
+    collective every process joins): ``flag`` itself outside one."""
+    return bool(flag)
+
+
 def on_create(optimizer):
     """Nothing to prepare when an optimizer is made."""
     del optimizer

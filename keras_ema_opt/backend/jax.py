@@ -360,6 +360,18 @@ def is_chief():
     return jax.process_index() == 0
 
 
+def any_process(flag):
+    """Whether ``flag`` is true on any process of a multi-process JAX run
+    (an all-gather every process joins); ``flag`` itself in one process."""
+    if jax.process_count() == 1:
+        return bool(flag)
+    from jax.experimental import multihost_utils
+
+    flags = multihost_utils.process_allgather(
+        np.array([bool(flag)], np.int32))
+    return bool(np.any(flags))
+
+
 def training_forward(model, on_pass):
     """A function running ``model(inputs, training=True)`` compiled: Keras'
     stateless call under ``jax.jit``, whose new non-trainable values (the

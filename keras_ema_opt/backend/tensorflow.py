@@ -348,6 +348,13 @@ def sum_over_processes(values):
     return np.asarray(total, np.float64)
 
 
+def any_process(flag):
+    """Whether ``flag`` is true on any worker of a multi-worker strategy
+    (``sum_over_processes``: an all-reduce every worker joins); ``flag``
+    itself outside a multi-worker run."""
+    return bool(sum_over_processes(np.array([float(bool(flag))]))[0] > 0)
+
+
 def is_chief():
     """The chief of a multi-worker run (the ``chief`` task, else worker 0,
     as Keras 2's ``_is_chief``; an ``evaluator``, outside the training

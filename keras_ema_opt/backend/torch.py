@@ -736,6 +736,14 @@ def sum_over_processes(values):
     return total.cpu().numpy()
 
 
+def any_process(flag):
+    """Whether ``flag`` is true on any rank of a running
+    ``torch.distributed`` group (an all-reduce every rank joins)."""
+    if _world_size() == 1:
+        return bool(flag)
+    return bool(sum_over_processes(np.array([float(bool(flag))]))[0] > 0)
+
+
 def is_chief():
     """Rank 0 of ``torch.distributed`` (always, without a group)."""
     dist = torch.distributed

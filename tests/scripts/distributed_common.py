@@ -2,7 +2,9 @@
 single-process references): a global batch of 8 split across replicas,
 Adam with a power-warm-up EMA, 4 steps, a save after step 2."""
 
+import contextlib
 import json
+import os
 
 import numpy as np
 
@@ -93,6 +95,43 @@ def snapshot_run(folder):
     model.fit(x, y, batch_size=GLOBAL_BATCH, shuffle=False, verbose=0,
               callbacks=[callback])
     return callback.written
+
+
+def failed_writes(model, out, scope=contextlib.nullcontext):
+    """Writes the chief cannot make, into ``out/not-a-folder`` (a file the
+    chief makes): a ``save_on_chief`` of ``model`` and a ``PowerEMA``
+    snapshot. For each, what this process raised: ``[type name, whether
+    an OSError]`` (None where nothing was); then whether a collective
+    after them still joins every process (``any_process`` of the chief's
+    True). ``scope``: where the snapshot's optimizer is built (a
+    strategy's)."""
+    import keras_ema_opt
+    from keras_ema_opt import backend
+
+    blocker = os.path.join(out, "not-a-folder")
+    chief = keras_ema_opt.distributed.is_chief()
+    if chief:
+        open(blocker, "w").close()
+    with scope():
+        snap = mlp(31)
+        snap.compile(optimizer=keras_ema_opt.Adam(
+            0.01, averaging=keras_ema_opt.PowerEMA(
+                snapshot_every=1, snapshot_dir=blocker)), loss="mse")
+        snap.optimizer.build(snap.trainable_variables)
+    writes = {
+        "save_on_chief": lambda: keras_ema_opt.distributed.save_on_chief(
+            model, os.path.join(blocker, "model.keras")),
+        "snapshot": snap.optimizer.save_snapshot,
+    }
+    raised = {}
+    for name, write in writes.items():
+        raised[name] = None
+        try:
+            write()
+        except Exception as e:  # noqa: BLE001 - its type is the result
+            raised[name] = [type(e).__name__, isinstance(e, OSError)]
+    raised["in_step"] = backend.any_process(chief)
+    return raised
 
 
 def bn_data():

@@ -11,7 +11,9 @@
 
 ``fit()`` 2 steps, a ``.keras`` save by the chief only (``mid.keras``), 2
 more steps, with an ``AveragedCheckpoint`` only the chief may write; then a
-custom loop of ``apply_gradients`` on gradients of the global batch.
+custom loop of ``apply_gradients`` on gradients of the global batch; last,
+a ``save_on_chief`` and a snapshot the chief cannot write
+(``common.failed_writes``).
 Writes OUT/<mode><index>.json: states, and whether every average and
 Adam slot carries the sharding of its variable.
 """
@@ -140,6 +142,7 @@ def main():
             auto_shard_dataset=False))
         written = common.snapshot_run(os.path.join(out, "snapshots"))
         result["snapshots_written"] = [os.path.basename(p) for p in written]
+    result["failed_writes"] = common.failed_writes(model, out)
     common.write(os.path.join(out, f"{mode}{index}.json"), result)
 
 

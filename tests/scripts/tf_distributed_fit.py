@@ -13,7 +13,9 @@ seed i: tf.distribute must give every worker worker 0's weights), then
 ``AveragedCheckpoint`` that only the chief may write. A custom loop
 follows: ``strategy.run`` with each replica's half of a batch, the loss
 scaled by the global batch (``compute_average_loss``) and
-``apply_gradients``, which sums over replicas (Keras 2). Writes
+``apply_gradients``, which sums over replicas (Keras 2); last, a
+``save_on_chief`` and a snapshot the chief cannot write
+(``common.failed_writes``). Writes
 OUT/<name>.json with the initial weights, the states and where the
 optimizer state lives.
 """
@@ -137,6 +139,8 @@ def main():
     result["loop"] = common.state(loop)
     result["update_bn"] = common.bn_update(
         index, 2 if mode == "multiworker" else 1)
+    result["failed_writes"] = common.failed_writes(model, out,
+                                                   strategy.scope)
     common.write(os.path.join(out, f"{mode}{index}.json"), result)
 
 

@@ -9,7 +9,8 @@ every rank), then ``fit()`` on its half of each global batch: 2 steps, a
 more steps, and an ``AveragedCheckpoint`` that only rank 0 may write. A
 custom loop (``minimize`` on each rank's half) follows, with a list of
 variables and with a callable; then rank 0 alone loads ``mid.keras`` and
-``mid.h5``. Each rank writes OUT/rank<r>.json with its weights, averages
+``mid.h5``; last, a ``save_on_chief`` and a snapshot that rank 0 cannot
+write (``common.failed_writes``). Each rank writes OUT/rank<r>.json with its weights, averages
 and iterations.
 """
 
@@ -89,6 +90,7 @@ def main(out):
         result["chief_loaded"] = common.state(loaded)
         loaded = keras.saving.load_model(os.path.join(out, "mid.h5"))
         result["chief_loaded_h5"] = common.state(loaded)
+    result["failed_writes"] = common.failed_writes(model, out)
     common.write(os.path.join(out, f"rank{rank}.json"), result)
     common.leave_torch_group()
 
