@@ -8,6 +8,13 @@ The breakdown behind the peak-memory rows of ``python -m benchmarks``
 ours): on a CPU, where the state lives in the process's memory.
 
     KERAS_BACKEND=jax python -m benchmarks.memory_phases ours:ema
+
+``reads`` instead of a configuration measures a step that only reads
+each of the same weights and gradients once (the sum of each), with no
+optimizer, made and run as the Keras steps are (TensorFlow: a traced
+concrete function; JAX: jitted; PyTorch: eager): what the backend itself
+keeps for a compiled step over these tensors, beside which an
+optimizer's phases read.
 """
 
 import argparse
@@ -33,19 +40,52 @@ def resident():
     return fields["RssAnon"], fields["RssFile"]
 
 
+def reads_stepper(variables, grads):
+    """(step, sync) of a step that only reads ``variables`` and
+    ``grads``: the sum of each, read once, nothing written (TensorFlow: a traced
+    concrete function, as ``keras_stepper``'s; JAX: jitted; PyTorch:
+    eager)."""
+    if BACKEND == "torch":
+        import torch
+
+        def step():
+            with torch.no_grad():
+                torch.stack([v.value.sum() for v in variables]
+                            + [g.sum() for g in grads]).sum().item()
+        return step, lambda: None
+    if BACKEND == "tensorflow":
+        import tensorflow as tf
+
+        fn = tf.function(lambda: tf.add_n(
+            [tf.reduce_sum(v.value) for v in variables]
+            + [tf.reduce_sum(g) for g in grads])).get_concrete_function()
+        return fn, lambda: None
+    import jax
+    import jax.numpy as jnp
+
+    fn = jax.jit(lambda t, g: jnp.stack([jnp.sum(x) for x in t + g]).sum())
+    values = [v.value for v in variables]
+    out = {}
+
+    def step():
+        out["sum"] = fn(values, list(grads))
+    return step, lambda: jax.block_until_ready(out["sum"])
+
+
 def phases(name, steps=10):
     """``[(phase, anonymous bytes, file bytes, state bytes)]``: each
     phase's growth of the resident memory over the one before, and the
     bytes of the state the phase made (parameters and gradients, then
-    the slots and averages)."""
+    the slots and averages). ``name`` ``"reads"``: a step that only
+    reads the tensors (``reads_stepper``), with no optimizer."""
     configs = bench_step.configurations()
-    if name not in configs or configs[name][0] is not bench_step.keras_step:
-        keras_names = [n for n, c in configs.items()
-                       if c[0] is bench_step.keras_step]
+    keras_names = [n for n, c in configs.items()
+                   if c[0] is bench_step.keras_step]
+    if name not in keras_names + ["reads"]:
         raise SystemExit(f"benchmarks.memory_phases: {name!r} is not a "
                          f"Keras optimizer configuration of {BACKEND}; "
-                         f"accepted: {', '.join(keras_names)}")
-    _, kind, averages = configs[name]
+                         f"accepted: {', '.join(keras_names)}, reads")
+    kind, averages = (None, 0) if name == "reads" else configs[name][1:]
     n = common.N_TENSORS * common.SIZE * 4
     out = []
     bench_step._import_backend()
@@ -62,10 +102,13 @@ def phases(name, steps=10):
     mark("runtime started")
     variables, grads = bench_step.keras_inputs()
     mark("weights and gradients", 2 * n)
-    opt = bench_step.keras_optimizer(kind)
-    opt.build(variables)
-    mark("optimizer built", (2 + averages) * n)
-    fn, sync = bench_step.keras_stepper(kind, opt, variables, grads)
+    if kind is None:
+        fn, sync = reads_stepper(variables, grads)
+    else:
+        opt = bench_step.keras_optimizer(kind)
+        opt.build(variables)
+        mark("optimizer built", (2 + averages) * n)
+        fn, sync = bench_step.keras_stepper(kind, opt, variables, grads)
     mark("step made (TensorFlow: traced)")
     fn()
     sync()
@@ -80,7 +123,8 @@ def phases(name, steps=10):
 def main(argv=None):
     parser = argparse.ArgumentParser(description=common.summary(__doc__))
     parser.add_argument("name", help="a configuration (benchmarks.step "
-                        "--list), a Keras optimizer's")
+                        "--list), a Keras optimizer's, or reads (a step "
+                        "that only reads the same tensors)")
     args = parser.parse_args(argv)
     rows = phases(args.name)
     total_anon = sum(r[1] for r in rows)
