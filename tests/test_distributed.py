@@ -65,15 +65,18 @@ def _only_the_chief_wrote(out, results, averaged):
 
 
 def _assert_every_process_raised(out, results):
-    """A ``save_on_chief`` and a PowerEMA snapshot into a folder that is a
-    file (``common.failed_writes``): the chief raised its own ``OSError``,
-    every other process a ``ChiefWriteError`` at the same call (none went
-    on to wait for the chief in a collective), and a collective after them
-    still joined every process. Nothing was written."""
+    """A ``save_on_chief``, a PowerEMA snapshot, and in ``fit()`` an
+    ``AveragedCheckpoint`` and ``PowerEMASnapshots``, into a folder that
+    is a file (``common.failed_writes``): the chief raised its own
+    ``OSError``, every other process a ``ChiefWriteError`` at the same
+    call (none went on to wait for the chief in a collective), and a
+    collective after them still joined every process. Nothing was
+    written."""
     for i, result in enumerate(results):
         raised = result["failed_writes"]
         assert raised["in_step"] is True, i
-        for write in ("save_on_chief", "snapshot"):
+        for write in ("save_on_chief", "snapshot", "averaged_checkpoint",
+                      "snapshots_in_fit"):
             name, is_os_error = raised[write] or (None, None)
             assert is_os_error, (i, write, raised[write])
             assert (name == "ChiefWriteError") == (i > 0), (i, write, name)

@@ -97,14 +97,15 @@ def snapshot_run(folder):
     return callback.written
 
 
-def failed_writes(model, out, scope=contextlib.nullcontext):
+def failed_writes(model, out, fit, scope=contextlib.nullcontext):
     """Writes the chief cannot make, into ``out/not-a-folder`` (a file the
-    chief makes): a ``save_on_chief`` of ``model`` and a ``PowerEMA``
-    snapshot. For each, what this process raised: ``[type name, whether
-    an OSError]`` (None where nothing was); then whether a collective
-    after them still joins every process (``any_process`` of the chief's
-    True). ``scope``: where the snapshot's optimizer is built (a
-    strategy's)."""
+    chief makes): a ``save_on_chief`` of ``model``, a ``PowerEMA``
+    snapshot, and in ``fit(model, callbacks)`` (one epoch on this
+    process's share) an ``AveragedCheckpoint`` and ``PowerEMASnapshots``.
+    For each, what this process raised: ``[type name, whether an
+    OSError]`` (None where nothing was); then whether a collective after
+    them still joins every process (``any_process`` of the chief's
+    True). ``scope``: where the snapshots' model is made (a strategy's)."""
     import keras_ema_opt
     from keras_ema_opt import backend
 
@@ -116,12 +117,19 @@ def failed_writes(model, out, scope=contextlib.nullcontext):
         snap = mlp(31)
         snap.compile(optimizer=keras_ema_opt.Adam(
             0.01, averaging=keras_ema_opt.PowerEMA(
-                snapshot_every=1, snapshot_dir=blocker)), loss="mse")
+                snapshot_every=1, snapshot_dir=blocker)),
+            loss="mean_squared_error")
         snap.optimizer.build(snap.trainable_variables)
+    callbacks = keras_ema_opt.callbacks
     writes = {
         "save_on_chief": lambda: keras_ema_opt.distributed.save_on_chief(
             model, os.path.join(blocker, "model.keras")),
         "snapshot": snap.optimizer.save_snapshot,
+        "averaged_checkpoint": lambda: fit(model, [
+            callbacks.AveragedCheckpoint(
+                os.path.join(blocker, "averaged-{epoch}.keras"))]),
+        "snapshots_in_fit": lambda: fit(snap, [
+            callbacks.PowerEMASnapshots()]),
     }
     raised = {}
     for name, write in writes.items():

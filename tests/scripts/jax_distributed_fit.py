@@ -142,7 +142,12 @@ def main():
             auto_shard_dataset=False))
         written = common.snapshot_run(os.path.join(out, "snapshots"))
         result["snapshots_written"] = [os.path.basename(p) for p in written]
-    result["failed_writes"] = common.failed_writes(model, out)
+    if mode == "multiprocess":  # the snapshots' layout: data parallel
+        keras.distribution.set_distribution(distribution())
+    result["failed_writes"] = common.failed_writes(
+        model, out, lambda m, callbacks: m.fit(
+            x, y, batch_size=len(x) // common.MID, epochs=1, shuffle=False,
+            verbose=0, callbacks=callbacks))
     common.write(os.path.join(out, f"{mode}{index}.json"), result)
 
 

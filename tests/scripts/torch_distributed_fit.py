@@ -90,7 +90,10 @@ def main(out):
         result["chief_loaded"] = common.state(loaded)
         loaded = keras.saving.load_model(os.path.join(out, "mid.h5"))
         result["chief_loaded_h5"] = common.state(loaded)
-    result["failed_writes"] = common.failed_writes(model, out)
+    result["failed_writes"] = common.failed_writes(
+        model, out, lambda m, callbacks: m.fit(
+            x, y, batch_size=len(x) // common.MID, epochs=1, shuffle=False,
+            verbose=0, callbacks=callbacks))
     common.write(os.path.join(out, f"rank{rank}.json"), result)
     common.leave_torch_group()
 
