@@ -73,7 +73,9 @@ def save_on_chief(model, filepath):
     Call it on every process: on JAX several processes hold one global
     array, and the save is made so as to need none of the others; after
     it, every process joins one small collective that tells it whether
-    the chief's write failed.
+    the chief's write failed. So do not call it under ``if is_chief():``:
+    the chief would wait there for the others (as with orbax's and
+    Lightning's checkpoint saves, which every process calls too).
 
     Args:
         model: The model (with its optimizer state and averages).
