@@ -160,9 +160,9 @@ def _validate_ema(use_ema, ema_momentum, ema_overwrite_frequency):
             "`ema_momentum` must be in the range [0, 1]. "
             f"Received: ema_momentum={ema_momentum!r}"
         )
+    # A bool is an int to Keras 2 and 3 alike: True is every step.
     if ema_overwrite_frequency is not None and (
-        isinstance(ema_overwrite_frequency, bool)
-        or not isinstance(ema_overwrite_frequency, (int, np.integer))
+        not isinstance(ema_overwrite_frequency, (int, np.integer))
         or ema_overwrite_frequency < 1
     ):
         raise InvalidArgumentError(
@@ -356,7 +356,8 @@ class Optimizer(backend.OptimizerHooks, keras.optimizers.Optimizer):
         use_ema: Bool. Keep an exponential moving average of the weights.
         ema_momentum: Float in ``[0, 1]``, the EMA momentum.
         ema_overwrite_frequency: Int ``>= 1`` or ``None``: every so many
-            iterations, overwrite the weights with their average.
+            iterations, overwrite the weights with their average (``0``
+            and ``False`` are never, ``True`` every step, as in Keras 2).
         loss_scale_factor: Float or ``None`` (Keras 3).
         gradient_accumulation_steps: Int ``>= 2`` or ``None`` (Keras 3).
         name: String, the name of the optimizer and prefix of its variables.
@@ -521,10 +522,10 @@ class Optimizer(backend.OptimizerHooks, keras.optimizers.Optimizer):
         if "ema_momentum" in arguments:
             arguments["ema_momentum"] = _scalar_value(
                 arguments["ema_momentum"])
-        if arguments.get("ema_overwrite_frequency") is not None and not (
-            isinstance(arguments["ema_overwrite_frequency"], bool)
-        ) and arguments["ema_overwrite_frequency"] == 0:
-            # Keras 2 overwrote only on a truthy frequency: 0 is never.
+        if arguments.get("ema_overwrite_frequency") is not None and (
+                arguments["ema_overwrite_frequency"] == 0):
+            # Keras 2 overwrote only on a truthy frequency: 0 (or False)
+            # is never.
             arguments["ema_overwrite_frequency"] = None
         _check_loss_scale_factor(arguments.get("loss_scale_factor"))
         jit_compile = arguments.pop("jit_compile", True)
@@ -555,7 +556,10 @@ class Optimizer(backend.OptimizerHooks, keras.optimizers.Optimizer):
         if averaging is not None:
             arguments["use_ema"] = True
         _validate_clipping(value("clipnorm"), value("global_clipnorm"))
-        if arguments.get("ema_overwrite_frequency") is not None:
+        if isinstance(arguments.get("ema_overwrite_frequency"),
+                      (bool, np.integer)):
+            # As the int it is (what is not one is refused above where
+            # `use_ema` is set, and kept unchecked otherwise, as Keras 2).
             arguments["ema_overwrite_frequency"] = int(
                 arguments["ema_overwrite_frequency"]
             )

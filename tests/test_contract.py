@@ -49,7 +49,7 @@ def test_ema_arguments_are_only_checked_with_use_ema():
 
 # 0 is Keras 2's "never" (tf_keras checks a truthy frequency only):
 # tests/test_keras2_oracle.py.
-@pytest.mark.parametrize("frequency", [-2, 2.5, True, "3"])
+@pytest.mark.parametrize("frequency", [-2, 2.5, "3"])
 def test_ema_overwrite_frequency_must_be_int_at_least_1(frequency):
     with pytest.raises(
         InvalidArgumentError,

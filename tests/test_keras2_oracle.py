@@ -380,17 +380,39 @@ def test_mesh_none_is_accepted_and_a_mesh_refused():
         keras_ema_opt.Adam(mesh="a mesh")
 
 
-def test_ema_overwrite_frequency_zero_never_overwrites_as_tf_keras():
+@pytest.mark.parametrize("frequency,stored", [(0, None), (False, None),
+                                               (True, 1)])
+def test_ema_overwrite_frequency_zero_or_a_bool_as_tf_keras(frequency,
+                                                            stored):
+    # tf_keras (and Keras 3) take a bool as the int it is: True overwrites
+    # every step, and False, like 0, never.
     theirs = tf_keras.optimizers.SGD(0.1, use_ema=True, ema_momentum=0.5,
-                                     ema_overwrite_frequency=0,
+                                     ema_overwrite_frequency=frequency,
                                      jit_compile=False)
+    for ours in (keras_ema_opt.SGD.from_config(theirs.get_config()),
+                 keras_ema_opt.SGD(0.1, use_ema=True, ema_momentum=0.5,
+                                   ema_overwrite_frequency=frequency)):
+        assert ours.ema_overwrite_frequency == stored
     ours = keras_ema_opt.SGD.from_config(theirs.get_config())
-    assert ours.ema_overwrite_frequency is None
     for a, b in zip(*_train_both(ours, theirs, INIT, steps=4)):
         np.testing.assert_allclose(a, b, rtol=1e-6)
     for a, b in zip(ours._model_variables_moving_average,
                     theirs._model_variables_moving_average):
         np.testing.assert_allclose(to_numpy(a), b.numpy(), rtol=1e-6)
+
+
+@pytest.mark.parametrize("frequency", [1.5, "3", np.int64(2)])
+def test_ema_overwrite_frequency_without_use_ema_kept_as_tf_keras(frequency):
+    # Unchecked and unchanged where `use_ema` is off (a float was
+    # truncated to an int); an integer type as an int.
+    theirs = tf_keras.optimizers.SGD(ema_overwrite_frequency=frequency)
+    ours = keras_ema_opt.SGD(ema_overwrite_frequency=frequency)
+    want = theirs.get_config()["ema_overwrite_frequency"]
+    got = ours.get_config()["ema_overwrite_frequency"]
+    assert got == want and type(got) is (
+        int if isinstance(frequency, np.integer) else type(want))
+    assert keras_ema_opt.SGD.from_config(ours.get_config(
+        )).ema_overwrite_frequency == want
 
 
 @pytest.mark.parametrize("names", [["my_dense"], ["my_dense/bias"],
