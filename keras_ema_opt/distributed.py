@@ -139,8 +139,9 @@ def on_chief(write, path):
     process joins one small collective (an all-reduce, or JAX's
     all-gather) that carries whether ``write`` raised. A write that failed
     on the chief alone would otherwise leave the other processes waiting
-    for it in their next collective: 30 minutes by default on
-    ``torch.distributed``, with no end under ``jax.distributed``.
+    for it in their next collective, until its timeout (on
+    ``torch.distributed`` by default 30 minutes with gloo, 10 with NCCL;
+    none under ``jax.distributed``).
     ``save_on_chief``, ``AveragedCheckpoint`` and the ``PowerEMA``
     snapshots write through it.
 
@@ -153,7 +154,8 @@ def on_chief(write, path):
         What ``write()`` returned, on the chief; ``None`` elsewhere.
 
     Raises:
-        Exception: ``write``'s own error, on the chief.
+        BaseException: ``write``'s own error, on the chief (a
+            ``KeyboardInterrupt`` too: the others are told of it first).
         ChiefWriteError: on every other process, where ``write`` raised on
             the chief (an ``OSError``, whatever the chief's error was).
 
@@ -182,8 +184,8 @@ def on_chief(write, path):
     if backend.is_chief():
         try:
             result = write()
-        except Exception as e:  # every process must learn of it
-            error = e
+        except BaseException as e:  # noqa: BLE001 - every process must
+            error = e  # learn of it, a Ctrl-C the chief may catch too
     if backend.any_process(error is not None):
         if error is not None:
             raise error

@@ -67,11 +67,11 @@ def _only_the_chief_wrote(out, results, averaged):
 def _assert_every_process_raised(out, results):
     """A ``save_on_chief``, a PowerEMA snapshot, and in ``fit()`` an
     ``AveragedCheckpoint`` and ``PowerEMASnapshots``, into a folder that
-    is a file (``common.failed_writes``): the chief raised its own
-    ``OSError``, every other process a ``ChiefWriteError`` at the same
-    call (none went on to wait for the chief in a collective), and a
-    collective after them still joined every process. Nothing was
-    written."""
+    is a file, and a write a ``KeyboardInterrupt`` ends
+    (``common.failed_writes``): the chief raised its own error, every
+    other process a ``ChiefWriteError`` at the same call (none went on to
+    wait for the chief in a collective), and a collective after them still
+    joined every process. Nothing was written."""
     for i, result in enumerate(results):
         raised = result["failed_writes"]
         assert raised["in_step"] is True, i
@@ -80,6 +80,11 @@ def _assert_every_process_raised(out, results):
             name, is_os_error = raised[write] or (None, None)
             assert is_os_error, (i, write, raised[write])
             assert (name == "ChiefWriteError") == (i > 0), (i, write, name)
+        # Told of a Ctrl-C the chief caught, before the chief's next
+        # collective (which would have paired with the outcome's).
+        assert raised["interrupted"] == (
+            ["KeyboardInterrupt", False] if i == 0 else
+            ["ChiefWriteError", True]), i
     assert (out / "not-a-folder").is_file()
 
 

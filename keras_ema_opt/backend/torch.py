@@ -731,7 +731,8 @@ def sum_over_processes(values):
     device = "cpu"
     if dist.get_backend() == "nccl":
         device = torch.device("cuda", torch.cuda.current_device())
-    total = torch.as_tensor(np.asarray(values, np.float64), device=device)
+    # A copy: the all-reduce writes in place, and the caller's array stays.
+    total = torch.tensor(np.asarray(values, np.float64), device=device)
     dist.all_reduce(total, op=dist.ReduceOp.SUM)
     return total.cpu().numpy()
 

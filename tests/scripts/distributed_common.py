@@ -100,9 +100,9 @@ def snapshot_run(folder):
 def failed_writes(model, out, fit, scope=contextlib.nullcontext):
     """Writes the chief cannot make, into ``out/not-a-folder`` (a file the
     chief makes): a ``save_on_chief`` of ``model``, a ``PowerEMA``
-    snapshot, and in ``fit(model, callbacks)`` (one epoch on this
-    process's share) an ``AveragedCheckpoint`` and ``PowerEMASnapshots``.
-    For each, what this process raised: ``[type name, whether an
+    snapshot, in ``fit(model, callbacks)`` (one epoch on this process's
+    share) an ``AveragedCheckpoint`` and ``PowerEMASnapshots``, and a
+    write through ``on_chief`` that a ``KeyboardInterrupt`` ends. For each, what this process raised: ``[type name, whether an
     OSError]`` (None where nothing was); then whether a collective after
     them still joins every process (``any_process`` of the chief's
     True). ``scope``: where the snapshots' model is made (a strategy's)."""
@@ -131,12 +131,18 @@ def failed_writes(model, out, fit, scope=contextlib.nullcontext):
         "snapshots_in_fit": lambda: fit(snap, [
             callbacks.PowerEMASnapshots()]),
     }
+
+    def interrupted():
+        raise KeyboardInterrupt  # a Ctrl-C the chief's script catches
+
+    writes["interrupted"] = lambda: keras_ema_opt.distributed.on_chief(
+        interrupted, blocker)
     raised = {}
     for name, write in writes.items():
         raised[name] = None
         try:
             write()
-        except Exception as e:  # noqa: BLE001 - its type is the result
+        except BaseException as e:  # noqa: BLE001 - its type is the result
             raised[name] = [type(e).__name__, isinstance(e, OSError)]
     raised["in_step"] = backend.any_process(chief)
     return raised
