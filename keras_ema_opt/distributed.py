@@ -71,7 +71,9 @@ def save_on_chief(model, filepath):
     the other processes, which hold the same state.
 
     Call it on every process: on JAX several processes hold one global
-    array, and the save is made so as to need none of the others; after
+    array, and the save is made so as to need none of the others (where
+    a layout shards variables across processes, each process first
+    gathers them whole, so that the chief writes them whole); after
     it, every process joins one small collective that tells it whether
     the chief's write failed. So do not call it under ``if is_chief():``:
     the chief would wait there for the others (as with orbax's and
@@ -127,7 +129,18 @@ def save_on_chief(model, filepath):
             _io.publish(tmp, filepath)
         return filepath
 
-    return on_chief(write, filepath)
+    # Every process: where variables are sharded across processes (JAX),
+    # each gathers them, so that the chief saves them whole.
+    with backend.whole_values_scope(_saved_variables(model)):
+        return on_chief(write, filepath)
+
+
+def _saved_variables(model):
+    """The variables ``model.save`` writes: the model's and, once built,
+    its optimizer's (slots and averages)."""
+    optimizer = getattr(model, "optimizer", None)
+    extra = list(getattr(optimizer, "variables", None) or [])
+    return list(model.variables) + extra
 
 
 def on_chief(write, path):

@@ -54,14 +54,15 @@ def _single(steps, model=None):
     return model
 
 
-def _only_the_chief_wrote(out, results, averaged):
+def _only_the_chief_wrote(out, results, averaged, *saved):
     """Process 0 is the chief; its callback wrote ``averaged``, the other
-    process's nothing; the folder holds that and ``mid.keras`` alone."""
+    process's nothing; the folder holds that, ``mid.keras`` and the other
+    ``saved`` files alone."""
     assert [r["chief"] for r in results] == [True, False]
     assert results[0]["callback_wrote"] == [averaged]
     assert results[1]["callback_wrote"] == []
-    assert sorted(p.name for p in out.glob("*.keras")) == [
-        averaged, "mid.keras"]
+    assert sorted(p.name for p in out.glob("*.keras")) == sorted([
+        averaged, "mid.keras", *saved])
 
 
 def _assert_every_process_raised(out, results):
@@ -496,6 +497,28 @@ def test_jax_snapshots_of_averages_sharded_over_processes(jax_runs,
 
 
 @only_on("jax")
+def test_jax_save_on_chief_of_variables_sharded_over_processes(jax_runs,
+                                                              tmp_path):
+    # Each process holds half of every kernel, its moments and averages:
+    # the chief's `.keras` holds them whole (every process gathers), as one
+    # device saves them.
+    out, _ = jax_runs["multiprocess"]
+    common.snapshot_run(tmp_path, save=tmp_path / "one.keras")
+    got = keras.saving.load_model(out / "sharded.keras")
+    want = keras.saving.load_model(tmp_path / "one.keras")
+    for kind in ("weights", "optimizer"):
+        pairs = (zip(got.weights, want.weights, strict=True)
+                 if kind == "weights" else zip(
+                     got.optimizer.variables, want.optimizer.variables,
+                     strict=True))
+        for a, b in pairs:
+            # The optimizers' own names differ (`adam`, `adam_3`).
+            assert a.path.split("/", 1)[-1] == b.path.split("/", 1)[-1]
+            np.testing.assert_allclose(to_numpy(a), to_numpy(b), **TOL,
+                                       err_msg=f"{kind}: {a.path}")
+
+
+@only_on("jax")
 def test_jax_model_parallel_shards_as_the_layout_map_says(jax_runs):
     _, (result,) = jax_runs["modelparallel"]
     assert result["specs"] == {
@@ -506,7 +529,7 @@ def test_jax_model_parallel_shards_as_the_layout_map_says(jax_runs):
 @only_on("jax")
 def test_jax_multiprocess_only_process_0_writes(jax_runs):
     _only_the_chief_wrote(*jax_runs["multiprocess"],
-                          "averaged-process0-1.keras")
+                          "averaged-process0-1.keras", "sharded.keras")
 
 
 @only_on("jax")

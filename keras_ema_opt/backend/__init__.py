@@ -41,6 +41,10 @@ here. Each backend module provides the same set:
   under a multi-worker strategy, make Keras' ``fit()`` work there).
 - ``chief_only_scope()``: a context for work the chief does alone
   (``model.save``; JAX: no global arrays are made meanwhile).
+- ``whole_values_scope(variables)``: a context every process enters, in
+  which the chief reads each of ``variables`` whole (JAX: those sharded
+  over other processes' devices are gathered, a collective each, and the
+  chief holds them as local arrays meanwhile; a no-op elsewhere).
 - ``build_scope()``: the context the optimizer state is created in
   (TensorFlow: outside a ``tf.function`` being traced, so that a step
   which builds the optimizer on its first call, as Keras' ``fit()`` does
@@ -140,6 +144,7 @@ is_chief = _impl.is_chief
 any_process = _impl.any_process
 on_create = _impl.on_create
 chief_only_scope = _impl.chief_only_scope
+whole_values_scope = _impl.whole_values_scope
 lerp_averages = _impl.lerp_averages
 build_scope = _impl.build_scope
 state_variable_role = _impl.state_variable_role
@@ -174,6 +179,7 @@ __all__ = [
     "any_process",
     "on_create",
     "chief_only_scope",
+    "whole_values_scope",
     "lerp_averages",
     "build_scope",
     "state_variable_role",

@@ -174,6 +174,13 @@ def chief_only_scope():
     return contextlib.nullcontext()
 
 
+def whole_values_scope(variables):
+    """A context in which the chief reads each of ``variables`` whole
+    (every process enters it; here, each holds its values whole)."""
+    del variables
+    return contextlib.nullcontext()
+
+
 def lerp_averages(pairs, weight, gated=False):
     """Update ``average <- average + weight * (value - average)`` for the
     ``(average, variable)`` pairs a fast path can take; return the others

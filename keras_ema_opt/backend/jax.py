@@ -355,6 +355,33 @@ def chief_only_scope():
         distribution_lib.set_distribution(current)
 
 
+@contextlib.contextmanager
+def whole_values_scope(variables):
+    """A context in which the chief reads each of ``variables`` whole, for
+    ``model.save`` (``save_on_chief``): a variable sharded over devices of
+    other processes (a ``ModelParallel`` layout across processes) holds
+    only this process's shards, which Keras' saving cannot read. Every
+    process enters it and gathers each such value, in the variables'
+    order (a collective each); the chief holds the whole values, as local
+    arrays, until the context ends, and its global arrays then again."""
+    held = []
+    chief = is_chief()
+    for variable in variables:
+        value = getattr(variable, "_value", None)
+        if not isinstance(value, jax.Array) or value.is_fully_addressable \
+                or value.is_fully_replicated:
+            continue
+        whole = host_array(value)  # a collective: every process joins
+        if chief:
+            held.append((variable, value))
+            variable._value = jnp.asarray(whole)
+    try:
+        yield
+    finally:
+        for variable, value in held:
+            variable._value = value
+
+
 def is_chief():
     """Process 0 of a multi-process JAX run (``jax.distributed``)."""
     return jax.process_index() == 0

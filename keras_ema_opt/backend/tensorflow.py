@@ -26,6 +26,7 @@ sync_initial_state = _common.sync_initial_state
 host_array = _common.host_array
 forward_spans_processes = _common.forward_spans_processes
 chief_only_scope = _common.chief_only_scope
+whole_values_scope = _common.whole_values_scope
 _tf_variable = _tf_cpu.tf_variable
 
 

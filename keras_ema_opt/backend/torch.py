@@ -16,6 +16,7 @@ build_scope = _common.build_scope
 state_variable_role = _common.state_variable_role
 widen = _common.widen
 chief_only_scope = _common.chief_only_scope
+whole_values_scope = _common.whole_values_scope
 assign_copy = _common.assign_copy
 value_visible = _common.value_visible
 current_value = _common.current_value

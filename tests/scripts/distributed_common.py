@@ -80,10 +80,11 @@ def state(model):
     }
 
 
-def snapshot_run(folder):
+def snapshot_run(folder, save=None):
     """The MLP trained 4 steps on the global batches, PowerEMA snapshots
-    every 2 in ``folder``, as ``fit()`` with ``PowerEMASnapshots``; the
-    paths of the snapshots this process wrote."""
+    every 2 in ``folder``, as ``fit()`` with ``PowerEMASnapshots``, then
+    saved to ``save`` (``save_on_chief``) where given; the paths of the
+    snapshots this process wrote."""
     import keras_ema_opt
 
     model = mlp(30)
@@ -94,6 +95,8 @@ def snapshot_run(folder):
     x, y = local(0, 1, range(STEPS))
     model.fit(x, y, batch_size=GLOBAL_BATCH, shuffle=False, verbose=0,
               callbacks=[callback])
+    if save is not None:
+        keras_ema_opt.distributed.save_on_chief(model, save)
     return callback.written
 
 

@@ -131,7 +131,7 @@ def main():
         # Kernels sharded over the two processes' devices (the "model"
         # axis spans them; each process feeds the whole batch): each
         # process holds half of every kernel and average, and the chief's
-        # snapshots must hold them whole.
+        # snapshots and its save must hold them whole.
         d = np.array(DEVICES).reshape(2, 2).T  # rows: one per process
         mesh = keras.distribution.DeviceMesh((2, 2), ["batch", "model"], d)
         layout = keras.distribution.LayoutMap(mesh)
@@ -140,7 +140,8 @@ def main():
         keras.distribution.set_distribution(keras.distribution.ModelParallel(
             layout_map=layout, batch_dim_name="batch",
             auto_shard_dataset=False))
-        written = common.snapshot_run(os.path.join(out, "snapshots"))
+        written = common.snapshot_run(os.path.join(out, "snapshots"),
+                                      save=os.path.join(out, "sharded.keras"))
         result["snapshots_written"] = [os.path.basename(p) for p in written]
     if mode == "multiprocess":  # the snapshots' layout: data parallel
         keras.distribution.set_distribution(distribution())
