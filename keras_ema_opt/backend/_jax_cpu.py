@@ -38,7 +38,7 @@ def _load():
     _native.build("jax_adam_average", ("jax_kernels.cc", "adam_average.h"),
                   (f"-I{jax.ffi.include_dir()}",),
                   (jax.__version__, getattr(jaxlib, "__version__", "")),
-                  register)
+                  register, load_errors=(OSError, AttributeError))
 
 
 _kernel = _native.Kernel("JAX's Adam step on a CPU", _load)

@@ -111,10 +111,15 @@ def accepts(flag):
 def build(name, sources, flags, versions, load, load_errors=(OSError,)):
     """``load(path)`` of the shared library built from ``sources`` (the
     first is compiled, the others are headers it includes) with ``flags``
-    after :data:`FLAGS`: from the cache, or compiled anew; a cached file
-    ``load`` refuses (``load_errors``: damaged) is rebuilt once.
-    ``versions``: what else the build depends on (the framework's
-    version)."""
+    after :data:`FLAGS`: from the cache, or compiled anew; ``versions``:
+    what else the build depends on (the framework's version).
+
+    A cached file cut short (its ELF headers name bytes past its end,
+    which would kill the process when mapped) or that ``load`` refuses
+    (``load_errors``: damaged) is rebuilt once. A library built here that
+    ``load`` still refuses (a cache on a file system mounted ``noexec``)
+    is marked so, and later processes try it without building it again,
+    until one loads it."""
     command = compiler()
     version = subprocess.run([*command, "--version"], capture_output=True,
                              text=True, check=True, timeout=60).stdout
@@ -126,14 +131,81 @@ def build(name, sources, flags, versions, load, load_errors=(OSError,)):
         key.update(part)
         key.update(b"\0")
     target = _cache_dir() / f"{name}-{key.hexdigest()[:20]}.so"
-    if not target.exists():
-        _compile(command, HERE / sources[0], flags, target)
-    try:
-        return load(target)
-    except load_errors:  # a damaged file in the cache: build it again, once
+    unloadable = target.with_name(target.name + ".unloadable")
+    built = False
+    if not (target.exists() and whole_elf(target)):
         target.unlink(missing_ok=True)
         _compile(command, HERE / sources[0], flags, target)
-        return load(target)
+        built = True
+    try:
+        loaded = load(target)
+    except load_errors as error:
+        if not (built or unloadable.exists()):
+            # A damaged file in the cache: build it again, once.
+            target.unlink(missing_ok=True)
+            _compile(command, HERE / sources[0], flags, target)
+            try:
+                loaded = load(target)
+            except load_errors as again:
+                raise _unloadable(unloadable, again) from again
+        else:
+            raise _unloadable(unloadable, error) from error
+    unloadable.unlink(missing_ok=True)
+    return loaded
+
+
+def _unloadable(marker, error):
+    """Mark the library ``marker`` is beside as built but not loadable
+    here; the error to raise, which says where to build it instead."""
+    try:
+        marker.write_text(f"{type(error).__name__}: {error}\n")
+    except OSError:  # an unwritable cache: the next process builds again
+        pass
+    return RuntimeError(
+        f"{type(error).__name__}: {error} (built in {marker.parent}, which "
+        "cannot load it, perhaps a file system mounted noexec: set "
+        "KERAS_EMA_OPT_CACHE to another folder)")
+
+
+def whole_elf(path):
+    """Whether ``path`` holds every byte its ELF headers name: its
+    segments (mapping one cut short kills the process with SIGBUS) and
+    section headers. False for a file that is not ELF."""
+    import struct
+
+    try:
+        with open(path, "rb") as f:
+            head = f.read(64)
+            size = os.fstat(f.fileno()).st_size
+            if len(head) < 52 or head[:4] != b"\x7fELF" or head[4] not in (
+                    1, 2) or head[5] not in (1, 2):
+                return False
+            wide = head[4] == 2
+            end = "<" if head[5] == 1 else ">"
+            if wide:
+                phoff, shoff = struct.unpack_from(end + "QQ", head, 0x20)
+                phent, phnum, shent, shnum = struct.unpack_from(
+                    end + "HHHH", head, 0x36)
+            else:
+                phoff, shoff = struct.unpack_from(end + "II", head, 0x1C)
+                phent, phnum, shent, shnum = struct.unpack_from(
+                    end + "HHHH", head, 0x2A)
+            if phoff + phent * phnum > size or shoff + shent * shnum > size:
+                return False
+            f.seek(phoff)
+            table = f.read(phent * phnum)
+    except OSError:
+        return False
+    for i in range(phnum):
+        if wide:
+            offset, filesz = struct.unpack_from(end + "QxxxxxxxxxxxxxxxxQ",
+                                                table, i * phent + 8)
+        else:
+            offset, filesz = struct.unpack_from(end + "IxxxxxxxxI", table,
+                                                i * phent + 4)
+        if offset + filesz > size:
+            return False
+    return True
 
 
 def _compile(command, source, flags, target):
@@ -150,6 +222,8 @@ def _compile(command, source, flags, target):
             raise RuntimeError(f"{shlex.join(command)} exited "
                                f"{done.returncode}: "
                                f"{done.stderr.strip()[-2000:]}")
+        with open(temp, "rb") as f:  # on disk before it is named
+            os.fsync(f.fileno())
         os.replace(temp, target)
     finally:
         if os.path.exists(temp):
