@@ -57,15 +57,16 @@ status = _kernel.status
 
 def serves(grads, variables):
     """Whether the op can update these variables with these gradients:
-    dense float32 gradients and float32 variables on a CPU, no strategy,
-    not inside a function XLA compiles (the op has no XLA kernel), nor
-    one traced to be saved (a SavedModel would need the op's library to
-    load)."""
+    dense float32 gradients and float32 variables on one CPU device, no
+    strategy, not inside a function XLA compiles (the op has no XLA
+    kernel), nor one traced to be saved (a SavedModel would need the op's
+    library to load)."""
     if tf.distribute.has_strategy() or tf.config.list_logical_devices("GPU"):
         return False
     if control_flow_util.GraphOrParentsInXlaContext(
             tf_ops.get_default_graph()) or save_context.in_save_context():
         return False
+    devices = set()
     for grad, var in zip(grads, variables):
         value = tf_variable(var)
         if (not isinstance(grad, tf.Tensor) or grad.dtype != tf.float32
@@ -73,7 +74,10 @@ def serves(grads, variables):
                 or isinstance(value, tf.distribute.DistributedValues)
                 or not _on_cpu(value)):
             return False
-    return _kernel.serves()
+        devices.add(value.device)
+    # One op takes every handle: variables on two CPU devices (logical
+    # devices of one CPU) cannot be placed together.
+    return len(devices) <= 1 and _kernel.serves()
 
 
 def _on_cpu(variable):
