@@ -1268,3 +1268,24 @@ def test_best_epoch_callbacks_keeping_raw_weights_are_warned_of(
             r"\(SwapAverage\), but would keep that epoch's raw weights\. Use "
             r"SwapAverage\(swap_on_epoch=True\) listed before them",
             messages[0])
+
+
+@pytest.mark.parametrize("optimizer", ["SGD", "Adam"])
+def test_swa_keeps_its_average_between_samples_whatever_the_weights(
+        optimizer):
+    # SWA(every=3) samples at steps 3, 6, ...: a NaN weight at step 2 (a
+    # step that diverged) does not reach the average before the next
+    # sample, on every backend (the PyTorch fast path had mixed in
+    # 0 * NaN); the sample of step 3 takes it, as the rule says.
+    w = keras.Variable(np.array([1.0, 2.0], "float32"))
+    opt = getattr(keras_ema_opt, optimizer)(
+        0.01, averaging=keras_ema_opt.SWA(every=3))
+    averages = []
+    for grad in ([0.5, 0.5], [0.5, np.nan], [0.5, 0.5]):
+        opt.apply_gradients([(keras.ops.convert_to_tensor(
+            np.array(grad, "float32")), w)])
+        averages.append(to_numpy(opt.average_of(w)).copy())
+    assert np.isnan(to_numpy(w)[1])
+    np.testing.assert_array_equal(averages[1], averages[0])
+    assert not np.isnan(averages[1]).any()
+    assert np.isnan(averages[2][1]) and not np.isnan(averages[2][0])

@@ -105,9 +105,14 @@ def test_torch_fused_adam_reads_nothing_back_to_the_host(
     """The fused step's size is computed where the step count lives: on
     CUDA, reading it or the learning rate back to the host would wait for
     the device's queued work at every step. No tensor is read back during
-    a step (on the CPU here, by the same code), and the result is Keras'
+    a step (on the CPU here, by the same code: the gates of a strategy's
+    steps are not read either, as on CUDA), and the result is Keras'
     Adam's to round-off."""
     import torch
+
+    from keras_ema_opt.backend import torch as torch_backend
+
+    monkeypatch.setattr(torch_backend, "_weight_readable", lambda w: False)
 
     def optimizer(cls, **kwargs):
         lr = keras.optimizers.schedules.ExponentialDecay(
@@ -1765,3 +1770,101 @@ def test_cpu_kernel_is_built_once_into_its_cache(tmp_path):
         if _ == 0:
             stamp = (cache / built[0]).stat().st_mtime_ns
     assert (cache / built[0]).stat().st_mtime_ns == stamp  # reused
+    # Cut short (a disk that filled, a copy interrupted): mapping it would
+    # kill the process with SIGBUS; it is built again instead.
+    from keras_ema_opt.backend import _native
+
+    library = cache / built[0]
+    whole = library.read_bytes()
+    assert _native.whole_elf(library)
+    library.write_bytes(whole[:5000])
+    assert not _native.whole_elf(library)
+    ready, reason, value = last_json(run_python(
+        "-c", _STATUS, backend=BACKEND, KERAS_EMA_OPT_CACHE=str(cache)))
+    assert ready, reason
+    assert value == pytest.approx(0.9, rel=1e-5)
+    assert sorted(p.name for p in cache.iterdir()) == built
+    assert _native.whole_elf(library)
+
+
+_COPYING_COMPILER = """#!/bin/sh
+if [ "$1" = "--version" ]; then echo "copying 1.0"; exit 0; fi
+while [ "$#" -gt 0 ]; do
+  if [ "$1" = "-o" ]; then
+    cp "$(which true)" "$2"; echo built >> "$(dirname "$0")/builds.log"
+  fi
+  shift
+done
+"""
+
+
+@only_on("jax", "tensorflow")
+def test_cpu_kernel_built_but_not_loadable_is_not_built_in_every_process(
+        tmp_path):
+    # A whole library that does not load where it was built (here an
+    # executable; a cache mounted noexec): Keras' own step runs, and later
+    # processes try the file without compiling it again.
+    from conftest import last_json
+    from conftest import run_python
+
+    fake = tmp_path / "copying-c++"
+    fake.write_text(_COPYING_COMPILER)
+    fake.chmod(0o755)
+    cache = tmp_path / "cache"
+    for _ in range(2):
+        ready, reason, value = last_json(run_python(
+            "-c", _STATUS, backend=BACKEND, CXX=str(fake),
+            KERAS_EMA_OPT_CACHE=str(cache)))
+        assert not ready
+        assert "set KERAS_EMA_OPT_CACHE to another folder" in reason
+        assert value == pytest.approx(0.9, rel=1e-5)  # Keras' own step
+        assert (tmp_path / "builds.log").read_text() == "built\n"
+    assert len(list(cache.glob("*.so.unloadable"))) == 1
+
+
+_TWO_CPUS = """
+import json
+import numpy as np, tensorflow as tf
+cpu = tf.config.list_physical_devices("CPU")[0]
+tf.config.set_logical_device_configuration(
+    cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
+import keras, keras_ema_opt
+from keras_ema_opt.backend import _tf_cpu
+init = np.arange(6, dtype="float32").reshape(2, 3)
+out = {}
+for name, make in [("keras", lambda: keras.optimizers.Adam(0.1)),
+                   ("ours", lambda: keras_ema_opt.Adam(
+                       0.1, averaging=keras_ema_opt.EMA(0.9)))]:
+    with tf.device("/CPU:1"):
+        v1 = keras.Variable(init)
+    v0 = keras.Variable(init + 1)
+    opt, seen = make(), []
+    for step in range(3):
+        opt.apply_gradients([(tf.fill((2, 3), 1.0 + step), v1),
+                             (tf.fill((2, 3), 2.0 - step), v0)])
+        seen.append([v1.numpy().tolist(), v0.numpy().tolist()])
+    out[name] = seen
+    if name == "ours":
+        out["averages"] = [opt.average_of(v).numpy().tolist()
+                           for v in (v1, v0)]
+print(json.dumps(out))
+"""
+
+
+@only_on("tensorflow")
+def test_tf_variables_on_two_cpu_devices_fall_back_to_keras_step():
+    # One op cannot take handles on two (logical) CPU devices: Keras' own
+    # step runs there (the op raised), the same rule; the averages follow
+    # the weights by the EMA's float64 formula, from the initial weights.
+    from conftest import last_json
+    from conftest import run_python
+
+    got = last_json(run_python("-c", _TWO_CPUS, backend=BACKEND))
+    np.testing.assert_allclose(got["ours"], got["keras"], rtol=1e-6)
+    init = np.arange(6, dtype="float64").reshape(2, 3)
+    want = [init, init + 1]
+    for step in got["ours"]:
+        want = [0.9 * a + 0.1 * np.asarray(w, "float64")
+                for a, w in zip(want, step)]
+    for a, b in zip(got["averages"], want):
+        np.testing.assert_allclose(a, b, rtol=1e-6)

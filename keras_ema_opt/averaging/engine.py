@@ -230,6 +230,12 @@ class Averager:
         self._fold_plan = average, copy, weights, _ = self._plan(optimizer)
         return [self._weight(w, average, copy) for w in weights]
 
+    def fold_gated(self):
+        """Whether this step's :meth:`fold_weights` may be exactly 0 (keep)
+        or 1 (copy): a strategy with ``start_step``, ``every`` or gradient
+        accumulation gates its steps."""
+        return self._fold_plan is not None and self._fold_plan[0] is not None
+
     def folded(self, variables):
         """Mark ``variables`` as averaged for this step by the update."""
         self._folded |= {id(v) for v in variables}

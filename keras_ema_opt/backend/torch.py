@@ -155,10 +155,10 @@ class _FusedAdamStep:
             if weights is not None:
                 for averages, weight in zip(group.averages, weights):
                     if averages:
-                        torch._foreach_lerp_(
-                            averages, group.averaged_params,
-                            weight.to(device=group.device,
-                                      dtype=group.dtype))
+                        _lerp(averages, group.averaged_params,
+                              weight.to(device=group.device,
+                                        dtype=group.dtype),
+                              averager.fold_gated())
         if weights is not None:
             averager.folded(plan.averaged)
 
@@ -758,9 +758,14 @@ def lerp_averages(pairs, weight, gated=False):
     device and dtype (one pass, no temporary; as torch's ``AveragedModel``
     and timm do), with ``weight`` a 0-dim tensor (no host sync). torch's
     lerp is exact at the ends for finite values: weight 1 copies, 0
-    keeps. Pairs whose average has another dtype than its variable
+    keeps. Where the weight may be exactly 0 or 1 (``gated``: SWA's steps
+    between samples, a ``start_step``), a weight on the CPU is read: 0
+    keeps the averages whatever the variables hold (a NaN too, as the
+    engine's rule and the JAX and TensorFlow kernels do) without a pass,
+    and 1 copies them. On another device the weight is not read (that
+    would wait for the device), and 0 times a NaN reaches the average.
+    Pairs whose average has another dtype than its variable
     (``average_dtype``) are returned, for the engine's own update."""
-    del gated  # torch's lerp is exact at both ends
     groups = {}
     rest = []
     slots = _tensors([slot for slot, _ in pairs])
@@ -775,6 +780,27 @@ def lerp_averages(pairs, weight, gated=False):
         xs.append(x)
     with torch.no_grad():
         for (device, dtype), (avs, xs) in groups.items():
-            torch._foreach_lerp_(avs, xs, weight.to(device=device,
-                                                    dtype=dtype))
+            _lerp(avs, xs, weight.to(device=device, dtype=dtype), gated)
     return rest
+
+
+def _weight_readable(weight):
+    """Whether reading ``weight`` on the host costs nothing: on the CPU,
+    outside ``torch.compile`` (on CUDA the read would wait for the
+    device's queued work, every step)."""
+    return weight.device.type == "cpu" and not _compiling()
+
+
+def _lerp(averages, values, weight, gated):
+    """``torch._foreach_lerp_`` of one device and dtype; where ``gated``
+    and the weight is on the CPU, a weight of 0 keeps the averages
+    (without a pass: whatever ``values`` hold) and 1 copies them (see
+    ``lerp_averages``)."""
+    if gated and _weight_readable(weight):
+        end = float(weight)
+        if end == 0.0:
+            return  # kept, whatever the variables hold
+        if end == 1.0:
+            torch._foreach_copy_(averages, values)
+            return
+    torch._foreach_lerp_(averages, values, weight)
