@@ -1726,25 +1726,34 @@ _STATUS = ("import numpy as np, keras, keras_ema_opt as k, json\n"
            "print(json.dumps([*kernel.status(), float(v.numpy()[0])]))\n")
 
 
-@only_on("jax", "tensorflow")
-def test_cpu_kernel_build_failure_falls_back_and_leaves_no_file(
-        tmp_path):
+def _compiler_script(path, text):
+    """An executable shell script at ``path`` standing for the compiler."""
+    path.write_text(text)
+    path.chmod(0o755)
+    return str(path)
+
+
+def _kernel_status(cache, **env):
+    """(ready, reason, weight after one step) in a fresh process whose
+    kernels are kept in ``cache``."""
     from conftest import last_json
     from conftest import run_python
 
-    fake = tmp_path / "fake-c++"
-    fake.write_text(_FAKE_COMPILER)
-    fake.chmod(0o755)
+    return last_json(run_python("-c", _STATUS, backend=BACKEND,
+                                KERAS_EMA_OPT_CACHE=str(cache), **env))
+
+
+@only_on("jax", "tensorflow")
+def test_cpu_kernel_build_failure_falls_back_and_leaves_no_file(
+        tmp_path):
+    fake = _compiler_script(tmp_path / "fake-c++", _FAKE_COMPILER)
     cache = tmp_path / "cache"
-    ready, reason, value = last_json(run_python(
-        "-c", _STATUS, backend=BACKEND, CXX=str(fake),
-        KERAS_EMA_OPT_CACHE=str(cache)))
+    ready, reason, value = _kernel_status(cache, CXX=fake)
     assert not ready and "fake: cannot compile" in reason
     assert value == pytest.approx(0.9, rel=1e-5)  # Keras' own step ran
     assert list(cache.iterdir()) == []  # no partial library kept
-    ready, reason, value = last_json(run_python(
-        "-c", _STATUS, backend=BACKEND, KERAS_EMA_OPT_CPU_KERNELS="0",
-        KERAS_EMA_OPT_CACHE=str(cache)))
+    ready, reason, value = _kernel_status(cache,
+                                          KERAS_EMA_OPT_CPU_KERNELS="0")
     assert (ready, reason) == (False, "KERAS_EMA_OPT_CPU_KERNELS=0")
     assert value == pytest.approx(0.9, rel=1e-5)
 
@@ -1753,15 +1762,11 @@ def test_cpu_kernel_build_failure_falls_back_and_leaves_no_file(
 def test_cpu_kernel_is_built_once_into_its_cache(tmp_path):
     import shutil
 
-    from conftest import last_json
-    from conftest import run_python
-
     if not any(shutil.which(c) for c in ("c++", "g++", "clang++")):
         pytest.skip("no C++ compiler on this machine")
     cache = tmp_path / "cache"
     for _ in range(2):
-        ready, reason, value = last_json(run_python(
-            "-c", _STATUS, backend=BACKEND, KERAS_EMA_OPT_CACHE=str(cache)))
+        ready, reason, value = _kernel_status(cache)
         assert ready, reason
         assert value == pytest.approx(0.9, rel=1e-5)
         built = sorted(p.name for p in cache.iterdir())
@@ -1779,8 +1784,7 @@ def test_cpu_kernel_is_built_once_into_its_cache(tmp_path):
     assert _native.whole_elf(library)
     library.write_bytes(whole[:5000])
     assert not _native.whole_elf(library)
-    ready, reason, value = last_json(run_python(
-        "-c", _STATUS, backend=BACKEND, KERAS_EMA_OPT_CACHE=str(cache)))
+    ready, reason, value = _kernel_status(cache)
     assert ready, reason
     assert value == pytest.approx(0.9, rel=1e-5)
     assert sorted(p.name for p in cache.iterdir()) == built
@@ -1804,17 +1808,10 @@ def test_cpu_kernel_built_but_not_loadable_is_not_built_in_every_process(
     # A whole library that does not load where it was built (here an
     # executable; a cache mounted noexec): Keras' own step runs, and later
     # processes try the file without compiling it again.
-    from conftest import last_json
-    from conftest import run_python
-
-    fake = tmp_path / "copying-c++"
-    fake.write_text(_COPYING_COMPILER)
-    fake.chmod(0o755)
+    fake = _compiler_script(tmp_path / "copying-c++", _COPYING_COMPILER)
     cache = tmp_path / "cache"
     for _ in range(2):
-        ready, reason, value = last_json(run_python(
-            "-c", _STATUS, backend=BACKEND, CXX=str(fake),
-            KERAS_EMA_OPT_CACHE=str(cache)))
+        ready, reason, value = _kernel_status(cache, CXX=fake)
         assert not ready
         assert "set KERAS_EMA_OPT_CACHE to another folder" in reason
         assert value == pytest.approx(0.9, rel=1e-5)  # Keras' own step
