@@ -1791,6 +1791,30 @@ def test_cpu_kernel_is_built_once_into_its_cache(tmp_path):
     assert _native.whole_elf(library)
 
 
+def test_whole_elf_is_false_for_any_file_cut_short_or_not_elf(tmp_path):
+    # Never an exception (a cached library it raised on was never rebuilt):
+    # every length of a real ELF file's first bytes, a header whose
+    # program-header size is too small, and other files.
+    import shutil
+
+    from keras_ema_opt.backend import _native
+
+    real = open(shutil.which("true"), "rb").read()
+    path = tmp_path / "lib.so"
+    assert _native.whole_elf(shutil.which("true"))
+    for n in [*range(0, 130), len(real) // 2, len(real) - 1]:
+        path.write_bytes(real[:n])
+        assert _native.whole_elf(path) is False, n
+    wide = real[4] == 2
+    broken = bytearray(real)
+    broken[0x36 if wide else 0x2A] = broken[(0x36 if wide else 0x2A) + 1] = 0
+    path.write_bytes(bytes(broken))
+    assert _native.whole_elf(path) is False
+    path.write_bytes(b"#!/bin/sh\n")
+    assert _native.whole_elf(path) is False
+    assert _native.whole_elf(tmp_path / "missing.so") is False
+
+
 _COPYING_COMPILER = """#!/bin/sh
 if [ "$1" = "--version" ]; then echo "copying 1.0"; exit 0; fi
 while [ "$#" -gt 0 ]; do

@@ -177,10 +177,13 @@ def whole_elf(path):
         with open(path, "rb") as f:
             head = f.read(64)
             size = os.fstat(f.fileno()).st_size
-            if len(head) < 52 or head[:4] != b"\x7fELF" or head[4] not in (
+            if head[:4] != b"\x7fELF" or len(head) < 6 or head[4] not in (
                     1, 2) or head[5] not in (1, 2):
                 return False
             wide = head[4] == 2
+            # The ELF header's and a program header's sizes.
+            if len(head) < (64 if wide else 52):
+                return False
             end = "<" if head[5] == 1 else ">"
             if wide:
                 phoff, shoff = struct.unpack_from(end + "QQ", head, 0x20)
@@ -190,7 +193,9 @@ def whole_elf(path):
                 phoff, shoff = struct.unpack_from(end + "II", head, 0x1C)
                 phent, phnum, shent, shnum = struct.unpack_from(
                     end + "HHHH", head, 0x2A)
-            if phoff + phent * phnum > size or shoff + shent * shnum > size:
+            if phent < (56 if wide else 32) or (
+                    phoff + phent * phnum > size
+                    or shoff + shent * shnum > size):
                 return False
             f.seek(phoff)
             table = f.read(phent * phnum)

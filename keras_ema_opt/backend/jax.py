@@ -362,23 +362,30 @@ def whole_values_scope(variables):
     other processes (a ``ModelParallel`` layout across processes) holds
     only this process's shards, which Keras' saving cannot read. Every
     process enters it and gathers each such value, in the variables'
-    order (a collective each); the chief holds the whole values, as local
-    arrays, until the context ends, and its global arrays then again."""
+    order (a collective each); the chief holds the whole values, as
+    arrays on its CPU device, until the context ends (or a gather fails),
+    and its global arrays then again."""
     held = []
     chief = is_chief()
-    for variable in variables:
-        value = getattr(variable, "_value", None)
-        if not isinstance(value, jax.Array) or value.is_fully_addressable \
-                or value.is_fully_replicated:
-            continue
-        whole = host_array(value)  # a collective: every process joins
-        if chief:
-            held.append((variable, value))
-            variable._value = jnp.asarray(whole)
+    # Held on the host (the CPU device), not on the accelerator that holds
+    # this process's shards, where the whole model may not fit.
     try:
+        host = jax.local_devices(backend="cpu")[0]
+    except RuntimeError:  # no CPU backend (JAX_PLATFORMS=cuda)
+        host = None
+    try:
+        for variable in variables:
+            value = getattr(variable, "_value", None)
+            if not isinstance(value, jax.Array) or (
+                    value.is_fully_addressable or value.is_fully_replicated):
+                continue
+            whole = host_array(value)  # a collective: every process joins
+            if chief:
+                held.append((variable, value))
+                variable._value = jax.device_put(whole, host)
         yield
-    finally:
-        for variable, value in held:
+    finally:  # also where a gather failed part way
+        for variable, value in reversed(held):
             variable._value = value
 
 
