@@ -359,12 +359,8 @@ class PowerEMASnapshots(keras.callbacks.Callback):
 
             start = self._real_steps(self._micro)
             folder = self._optimizer.averaging.snapshot_dir
-            distributed.on_chief(lambda: posthoc.set_aside(
-                folder, after=start,
-                why=f"this run starts at step {start}, so they are "
-                "another run's (the folder used again)" + (
-                    "" if start == 0 else ", or of the steps it takes "
-                    "again (resumed from an earlier point)")), folder)
+            distributed.on_chief(
+                lambda: posthoc.set_aside_after_start(folder, start), folder)
 
     def on_train_batch_end(self, batch, logs=None):
         # `batch` is the last step of the call (several under

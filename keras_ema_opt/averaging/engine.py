@@ -478,12 +478,7 @@ class Averager:
             folders = self.__dict__.setdefault("_snapshot_folders", set())
             folder = os.path.abspath(directory)
             if start is not None and folder not in folders:
-                posthoc.set_aside(
-                    directory, after=start,
-                    why=f"this run started at step {start}, so they are "
-                    "another run's (the folder used again)" + (
-                        "" if start == 0 else ", or of the steps it takes "
-                        "again (resumed from an earlier point)"))
+                posthoc.set_aside_after_start(directory, start, "started")
                 folders.add(folder)
             return posthoc.write_snapshot(
                 directory, step, strategy.gammas, strategy.every, arrays)

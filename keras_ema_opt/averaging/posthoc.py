@@ -135,6 +135,19 @@ def set_aside(directory, after=-1, why=None):
     return aside
 
 
+def set_aside_after_start(directory, start, tense="starts"):
+    """``set_aside`` of the snapshots after step ``start``, where a run
+    ``starts`` (``fit()``, before its first step) or ``started`` (a
+    custom loop's first snapshot into the folder): none of a later step
+    is of its past."""
+    return set_aside(
+        directory, after=start,
+        why=f"this run {tense} at step {start}, so they are another run's "
+        "(the folder used again)" + (
+            "" if start == 0 else ", or of the steps it takes again "
+            "(resumed from an earlier point)"))
+
+
 def _elided(items, head, tail):
     """``items``, or their first ``head`` and last ``tail`` around an
     ``"..."`` where there are more (for messages)."""

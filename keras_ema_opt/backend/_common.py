@@ -4,6 +4,7 @@ import contextlib
 import functools
 
 import keras
+import numpy as np
 
 
 def keras_optimizer_class(name):
@@ -155,6 +156,15 @@ def any_process(flag):
     """Whether ``flag`` is true on any process of a multi-process run (a
     collective every process joins): ``flag`` itself outside one."""
     return bool(flag)
+
+
+def any_process_over(sum_over_processes):
+    """``any_process`` of a backend whose ``sum_over_processes`` is an
+    all-reduce every process joins: the sum of the flags, positive."""
+    def any_process(flag):
+        total = sum_over_processes(np.array([float(bool(flag))]))
+        return bool(total[0] > 0)
+    return any_process
 
 
 def on_create(optimizer):

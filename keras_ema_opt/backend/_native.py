@@ -132,24 +132,24 @@ def build(name, sources, flags, versions, load, load_errors=(OSError,)):
         key.update(b"\0")
     target = _cache_dir() / f"{name}-{key.hexdigest()[:20]}.so"
     unloadable = target.with_name(target.name + ".unloadable")
-    built = False
-    if not (target.exists() and whole_elf(target)):
+
+    def rebuild():
         target.unlink(missing_ok=True)
         _compile(command, HERE / sources[0], flags, target)
-        built = True
+
+    built = not (target.exists() and whole_elf(target))
+    if built:
+        rebuild()
     try:
         loaded = load(target)
     except load_errors as error:
-        if not (built or unloadable.exists()):
-            # A damaged file in the cache: build it again, once.
-            target.unlink(missing_ok=True)
-            _compile(command, HERE / sources[0], flags, target)
-            try:
-                loaded = load(target)
-            except load_errors as again:
-                raise _unloadable(unloadable, again) from again
-        else:
+        if built or unloadable.exists():
             raise _unloadable(unloadable, error) from error
+        rebuild()  # a damaged file in the cache: build it again, once
+        try:
+            loaded = load(target)
+        except load_errors as again:
+            raise _unloadable(unloadable, again) from again
     unloadable.unlink(missing_ok=True)
     return loaded
 

@@ -349,11 +349,9 @@ def sum_over_processes(values):
     return np.asarray(total, np.float64)
 
 
-def any_process(flag):
-    """Whether ``flag`` is true on any worker of a multi-worker strategy
-    (``sum_over_processes``: an all-reduce every worker joins); ``flag``
-    itself outside a multi-worker run."""
-    return bool(sum_over_processes(np.array([float(bool(flag))]))[0] > 0)
+# Whether a flag is true on any worker of a multi-worker strategy (an
+# all-reduce every worker joins); the flag itself outside one.
+any_process = _common.any_process_over(sum_over_processes)
 
 
 def is_chief():

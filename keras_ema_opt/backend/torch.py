@@ -140,6 +140,7 @@ class _FusedAdamStep:
                            dtype)
         averager = getattr(self, "_averager", None)
         weights = averager.fold_weights(self) if plan.averaged else None
+        gated = weights is not None and averager.fold_gated()
         for group in plan.groups:
             # The kernel walks each tensor's storage in order: a gradient
             # laid out otherwise (a Conv kernel's from `torch.autograd.grad`
@@ -157,8 +158,7 @@ class _FusedAdamStep:
                     if averages:
                         _lerp(averages, group.averaged_params,
                               weight.to(device=group.device,
-                                        dtype=group.dtype),
-                              averager.fold_gated())
+                                        dtype=group.dtype), gated)
         if weights is not None:
             averager.folded(plan.averaged)
 
@@ -738,12 +738,8 @@ def sum_over_processes(values):
     return total.cpu().numpy()
 
 
-def any_process(flag):
-    """Whether ``flag`` is true on any rank of a running
-    ``torch.distributed`` group (an all-reduce every rank joins)."""
-    if _world_size() == 1:
-        return bool(flag)
-    return bool(sum_over_processes(np.array([float(bool(flag))]))[0] > 0)
+# Whether a flag is true on any rank (an all-reduce every rank joins).
+any_process = _common.any_process_over(sum_over_processes)
 
 
 def is_chief():
