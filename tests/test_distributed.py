@@ -485,7 +485,7 @@ def test_jax_snapshots_of_averages_sharded_over_processes(jax_runs,
     out, results = jax_runs["multiprocess"]
     assert [r["snapshots_written"] for r in results] == [
         ["phema-000000002.npz", "phema-000000004.npz"], []]
-    common.snapshot_run(tmp_path)
+    common.snapshot_run(tmp_path)  # the snapshots, one device
     for name in results[0]["snapshots_written"]:
         with np.load(out / "snapshots" / name) as got, \
                 np.load(tmp_path / name) as want:
@@ -516,6 +516,24 @@ def test_jax_save_on_chief_of_variables_sharded_over_processes(jax_runs,
             assert a.path.split("/", 1)[-1] == b.path.split("/", 1)[-1]
             np.testing.assert_allclose(to_numpy(a), to_numpy(b), **TOL,
                                        err_msg=f"{kind}: {a.path}")
+
+
+@only_on("jax")
+def test_jax_a_failure_while_the_chief_holds_whole_values_restores_them(
+        jax_runs):
+    # A save_on_chief the chief cannot write, and a gather failing after
+    # the chief took three whole values: each process raised, and every
+    # variable of the chief holds its global array again.
+    _, results = jax_runs["multiprocess"]
+    raised = [r["whole_values_failed"]["raised"] for r in results]
+    assert raised[0].get("save_on_chief") not in (None, "ChiefWriteError")
+    assert raised[0]["gather"] == "RuntimeError"
+    assert raised[1] == {"save_on_chief": "ChiefWriteError",
+                         "gather": "RuntimeError"}
+    for r in results:
+        failed = r["whole_values_failed"]
+        assert failed["sharded"] >= 4  # two kernels, their slots, averages
+        assert all(failed["restored"]), failed["restored"]
 
 
 @only_on("jax")

@@ -83,8 +83,8 @@ def state(model):
 def snapshot_run(folder, save=None):
     """The MLP trained 4 steps on the global batches, PowerEMA snapshots
     every 2 in ``folder``, as ``fit()`` with ``PowerEMASnapshots``, then
-    saved to ``save`` (``save_on_chief``) where given; the paths of the
-    snapshots this process wrote."""
+    saved to ``save`` (``save_on_chief``) where given: the paths of the
+    snapshots this process wrote, and the model."""
     import keras_ema_opt
 
     model = mlp(30)
@@ -97,7 +97,7 @@ def snapshot_run(folder, save=None):
               callbacks=[callback])
     if save is not None:
         keras_ema_opt.distributed.save_on_chief(model, save)
-    return callback.written
+    return callback.written, model
 
 
 def failed_writes(model, out, fit, scope=contextlib.nullcontext):

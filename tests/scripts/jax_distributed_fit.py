@@ -79,6 +79,43 @@ def specs(model):
             for v in model.trainable_variables}
 
 
+def whole_values_failed(model, out):
+    """What each of two failures while the chief holds the whole values
+    of ``model``'s variables sharded over the processes raised on this
+    process (a ``save_on_chief`` into a folder that is a file; a gather
+    failing part way, at a variable whose value cannot be read), and
+    whether every variable then holds its global array again (the same
+    object)."""
+    from keras_ema_opt import backend
+
+    class Unreadable:
+        @property
+        def _value(self):
+            raise RuntimeError("this variable's value cannot be read")
+
+    variables = list(model.variables) + list(model.optimizer.variables)
+    before = [v._value for v in variables]
+    sharded = [v for v in variables if not v.value.is_fully_addressable]
+    blocker = os.path.join(out, "not-a-folder-sharded")
+    if keras_ema_opt.distributed.is_chief():
+        open(blocker, "w").close()
+    raised = {}
+    try:
+        keras_ema_opt.distributed.save_on_chief(
+            model, os.path.join(blocker, "m.keras"))
+    except OSError as e:  # the chief's own error; ChiefWriteError else
+        raised["save_on_chief"] = type(e).__name__
+    try:
+        with backend.whole_values_scope(
+                sharded[:3] + [Unreadable()] + sharded[3:]):
+            pass
+    except RuntimeError as e:
+        raised["gather"] = type(e).__name__
+    return {"raised": raised, "sharded": len(sharded),
+            "restored": [v._value is b for v, b in zip(variables, before,
+                                                       strict=True)]}
+
+
 def fit(model, steps):
     processes = 2 if mode == "multiprocess" else 1
     common.fit_steps(model, steps, index, processes)
@@ -140,9 +177,11 @@ def main():
         keras.distribution.set_distribution(keras.distribution.ModelParallel(
             layout_map=layout, batch_dim_name="batch",
             auto_shard_dataset=False))
-        written = common.snapshot_run(os.path.join(out, "snapshots"),
-                                      save=os.path.join(out, "sharded.keras"))
+        written, sharded = common.snapshot_run(
+            os.path.join(out, "snapshots"),
+            save=os.path.join(out, "sharded.keras"))
         result["snapshots_written"] = [os.path.basename(p) for p in written]
+        result["whole_values_failed"] = whole_values_failed(sharded, out)
     if mode == "multiprocess":  # the snapshots' layout: data parallel
         keras.distribution.set_distribution(distribution())
     result["failed_writes"] = common.failed_writes(
