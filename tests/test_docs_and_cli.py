@@ -36,6 +36,10 @@ PUBLIC = [getattr(keras_ema_opt, n) for n in keras_ema_opt.__all__
     compat.LegacyAdagrad,
     compat.LegacyNadam,
     compat.LegacyRMSprop,
+    compat.losses,
+    compat.losses.Huber,
+    compat.losses.CosineSimilarity,
+    compat.losses.keeping_arguments,
 ]
 
 

@@ -61,17 +61,19 @@ def artifacts():
     return made_by_script(SCRIPT, CASES)
 
 
-def _user_model(folder):
+def _user_model(folder, **compile_arguments):
     """What a user does for a bare checkpoint: build the model and compile
-    it with the optimizer it was trained with."""
+    it with the optimizer it was trained with (and ``compile_arguments``,
+    the loss ``"mse"`` unless given)."""
     with h5py.File(os.path.join(folder, "model.h5"), "r") as f:
         config = f.attrs["model_config"]
         training = json.loads(f.attrs["training_config"])
+    compile_arguments.setdefault("loss", "mse")
 
     def build():
         model = model_from_config(config, CUSTOM_OBJECTS)
         model.compile(optimizer=from_legacy_config(
-            training["optimizer_config"]), loss="mse")
+            training["optimizer_config"]), **compile_arguments)
         return model
 
     return build
@@ -606,6 +608,118 @@ def test_bare_checkpoint_of_a_new_optimizer_needs_the_optimizer(artifacts):
     with pytest.raises(LegacyConfigError, match="stores only its learning"):
         keras_ema_opt.savedmodel.restore_checkpoint(
             model, os.path.join(folder, FORMATS["checkpoint"]))
+
+
+@pytest.mark.parametrize("fmt", ["checkpoint", "save_weights"])
+def test_checkpoint_into_keras_own_use_ema_optimizer(artifacts, tmp_path,
+                                                     fmt):
+    """A bare checkpoint of tf_keras' ``Adam(use_ema=True)``, given a model
+    compiled with Keras 3's own ``keras.optimizers.Adam(use_ema=True)``:
+    the moving averages go to Keras' own averages, and the written file
+    trains on as tf_keras did, weights and averages. Given Keras' Adam
+    without ``use_ema``, the error says where the averages would go."""
+    from keras_ema_opt.errors import LegacyStateError
+
+    folder = os.path.join(artifacts, "adam_ema-mlp")
+    with h5py.File(os.path.join(folder, "model.h5"), "r") as f:
+        config = f.attrs["model_config"]
+
+    def build(**ema):
+        model = model_from_config(config)
+        model.compile(optimizer=keras.optimizers.Adam(
+            0.01, amsgrad=True, **ema), loss="mse")
+        return model
+
+    dst = str(tmp_path / "new.keras")
+    with pytest.raises(LegacyStateError, match=r"the Adam the state is "
+                       r"loaded into has no place for the Keras 2 state "
+                       r"\['average of .*use_ema=True"):
+        keras_ema_opt.savedmodel.migrate(
+            os.path.join(folder, FORMATS[fmt]), dst, model=build())
+    assert not os.path.exists(dst)
+    keras_ema_opt.savedmodel.migrate(
+        os.path.join(folder, FORMATS[fmt]), dst,
+        model=build(use_ema=True, ema_momentum=0.9))
+    model = keras.saving.load_model(dst)
+    # (On PyTorch, Keras' own Adam is its torch subclass.)
+    assert isinstance(model.optimizer, keras.optimizers.Adam)
+    assert not isinstance(model.optimizer, keras_ema_opt.Optimizer)
+    _continue_like_tf_keras(model, folder)
+    expected = np.load(os.path.join(folder, "expected.npz"))
+    with open(os.path.join(folder, "info.json")) as f:
+        info = json.load(f)
+    averages = model.optimizer._model_variables_moving_average
+    for i, name in enumerate(info["trainable"]):
+        var = _find(model, name)
+        index = model.optimizer._get_variable_index(var)
+        np.testing.assert_allclose(to_numpy(averages[index]),
+                                   expected[f"average{i}"], rtol=1e-6,
+                                   atol=1e-6, err_msg=f"average of {name}")
+
+
+@pytest.mark.parametrize("jit_compile", ["auto", True, False])
+def test_given_model_writes_jit_compile_that_auto_gave_as_auto(
+        artifacts, tmp_path, jit_compile):
+    """Keras stores what ``"auto"`` resolves to where the model is
+    compiled (True on JAX). A model given compiled is written with
+    ``"auto"`` where its value is that (the file then makes each
+    backend's own choice where it is loaded), and with its value where it
+    is not (an explicit choice)."""
+    if BACKEND == "torch" and jit_compile is True:
+        pytest.skip("torch.compile at the verifying forward pass: slow; "
+                    "JAX and TensorFlow cover an explicit value")
+    folder = os.path.join(artifacts, "L_sgd-mlp")
+    model = _user_model(folder, jit_compile=jit_compile)()
+    auto = model._resolve_auto_jit_compile()
+    dst = str(tmp_path / "new.keras")
+    keras_ema_opt.savedmodel.migrate(
+        os.path.join(folder, FORMATS["checkpoint"]), dst, model=model)
+    with zipfile.ZipFile(dst) as archive:
+        written = json.loads(archive.read("config.json"))[
+            "compile_config"]["jit_compile"]
+    assert written == ("auto" if jit_compile == "auto" or jit_compile == auto
+                       else jit_compile)
+
+
+@keras.saving.register_keras_serializable(package="test_migration")
+class _ForgetfulHuber(keras.losses.Huber):
+    """A loss whose config leaves out its argument, as Keras 3.15's Huber
+    does, and which ``keeping_arguments`` does not know."""
+
+
+@pytest.mark.parametrize("loss,written", [
+    (keras.losses.Huber(delta=0.5), "keras_ema_opt>Huber"),
+    (keras.losses.CosineSimilarity(axis=0), "keras_ema_opt>CosineSimilarity"),
+    (_ForgetfulHuber(delta=0.5), None)])
+def test_given_model_loss_is_written_with_its_arguments(artifacts, tmp_path,
+                                                        loss, written):
+    """A model given compiled with Keras' Huber or CosineSimilarity: the
+    file keeps ``delta`` / ``axis`` (``keras_ema_opt.compat.losses``'
+    classes), and reloaded computes the given loss. A loss whose argument
+    the file would lose, of a class not known to lose it: the check after
+    reloading refuses the file (a typed error; nothing written)."""
+    from keras_ema_opt.errors import LegacyStateError
+
+    folder = os.path.join(artifacts, "L_sgd-mlp")
+    model = _user_model(folder, loss=loss)()
+    dst = str(tmp_path / "new.keras")
+    src = os.path.join(folder, FORMATS["checkpoint"])
+    if written is None:
+        with pytest.raises(LegacyStateError, match=r"the loss differs after "
+                           r"writing and reloading .*'delta': '0\.5'.*"
+                           r"'delta': '1\.0'"):
+            keras_ema_opt.savedmodel.migrate(src, dst, model=model)
+        assert os.listdir(tmp_path) == []
+        return
+    keras_ema_opt.savedmodel.migrate(src, dst, model=model)
+    with zipfile.ZipFile(dst) as archive:
+        assert json.loads(archive.read("config.json"))["compile_config"][
+            "loss"]["registered_name"] == written
+    reloaded = keras.saving.load_model(dst)
+    y = np.array([[0.0, 3.0], [1.0, -2.0]], "float32")
+    p = np.array([[2.0, 0.0], [1.5, 1.0]], "float32")
+    assert float(to_numpy(reloaded.loss(y, p))) == pytest.approx(
+        float(to_numpy(loss(y, p))), rel=1e-6)
 
 
 # ---------------------------------------------------------------------------

@@ -63,34 +63,40 @@ def _check_state(model, expected):
         np.testing.assert_array_equal(v, expected[f"v:{path}"], err_msg=path)
 
 
+@pytest.mark.parametrize("fmt", ["savedmodel", "model.h5"])
 def test_same_named_layer_frozen_in_training_gets_no_other_layers_state(
-        artifacts, tmp_path):
+        artifacts, tmp_path, fmt):
     # Sub-models `a` and `b` both hold a Dense `proj`; `a` was frozen in
     # training and when saved: the moments of the one `proj` trained are
-    # b's (the first `proj` in model order is a's).
+    # b's (the first `proj` in model order is a's). A SavedModel lists its
+    # trainable variables; an h5 file's model config marks `a` frozen.
     folder = os.path.join(artifacts, "collide_frozen")
     expected = np.load(os.path.join(folder, "expected.npz"))
-    record = savedmodel.inspect(os.path.join(folder, "savedmodel"))
+    record = savedmodel.inspect(os.path.join(folder, fmt))
     owners = {s.weight for s in record.optimizer.slots}
-    # (a is the model's first layer with weights, b its second)
-    assert not any(w.startswith("layer_with_weights-0/") for w in owners), (
-        owners)
+    # (a is the model's first layer with weights, b its second; an h5
+    # file keys them by the layer's name)
+    first = "layer_with_weights-0/" if fmt == "savedmodel" else "a/"
+    assert not any(w.startswith(first) for w in owners), owners
     out = tmp_path / "new.keras"
-    savedmodel.migrate(os.path.join(folder, "savedmodel"), str(out))
+    savedmodel.migrate(os.path.join(folder, fmt), str(out))
     model = keras.saving.load_model(str(out))
     _check_state(model, expected)
     b = _variable(model, "net/b/proj/kernel")
     assert np.any(_moments(model, b)[0])
 
 
+@pytest.mark.parametrize("fmt", ["savedmodel", "model.h5"])
 def test_same_named_layer_unfrozen_after_training_is_refused(artifacts,
-                                                             tmp_path):
+                                                             tmp_path, fmt):
     # `a` was frozen in training and unfrozen before saving: the files do
-    # not say which `proj` the one set of moments belongs to.
+    # not say which `proj` the one set of moments belongs to (the h5 file
+    # is read: a LegacyStateError, not a LegacyFormatError).
     folder = os.path.join(artifacts, "collide_unfrozen")
     out = tmp_path / "new.keras"
     with pytest.raises(LegacyStateError, match="proj/kernel") as info:
-        savedmodel.migrate(os.path.join(folder, "savedmodel"), str(out))
+        savedmodel.migrate(os.path.join(folder, fmt), str(out))
+    assert not isinstance(info.value, LegacyFormatError)
     assert "frozen" in str(info.value)
     assert os.listdir(tmp_path) == []
 

@@ -6,6 +6,9 @@
   rules that Keras 3 changed.
 - ``keras2_hard_sigmoid``: Keras 2's ``hard_sigmoid`` (Keras 3's has
   another slope), which migrated models use where theirs named it.
+- ``losses.Huber``, ``losses.CosineSimilarity``: Keras 3's losses of those
+  names, whose configs keep ``delta`` and ``axis`` (Keras 3.15's leave
+  them out), which migrated models are compiled with.
 - ``RestoredOptimizer`` / ``register_savedmodel_revival()``: Keras 2
   optimizers revived by ``tf.saved_model.load`` (TensorFlow needed), with
   ``to_keras(model)``.
@@ -21,6 +24,7 @@ optimizer = from_legacy_config({"class_name": "Custom>Adam",
 ```
 """
 
+from keras_ema_opt.compat import losses
 from keras_ema_opt.compat.activations import keras2_hard_sigmoid
 from keras_ema_opt.compat.configs import from_legacy_config
 from keras_ema_opt.compat.legacy_rules import LegacyAdagrad
@@ -35,6 +39,7 @@ __all__ = [
     "LegacyRMSprop",
     "from_legacy_config",
     "keras2_hard_sigmoid",
+    "losses",
     "register_savedmodel_revival",
 ]
 

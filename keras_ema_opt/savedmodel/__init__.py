@@ -172,7 +172,39 @@ def load_legacy(path, custom_objects=None, safe_mode=True, model=None):
 
 def _load(path, custom_objects, safe_mode, model):
     """(model, record, {record weight key: model variable}, [(what,
-    optimizer variable, source value)])."""
+    optimizer variable, source value)]); the model's compile config is
+    made portable (``_portable_compile_config``)."""
+    loaded = _load_model(path, custom_objects, safe_mode, model)
+    _portable_compile_config(loaded[0])
+    return loaded
+
+
+def _portable_compile_config(model):
+    """Make the compile config that ``model.save`` writes train, where the
+    file is loaded, as the model trains here, also for a model given
+    compiled: each Keras loss whose config leaves out its argument
+    (``Huber``'s ``delta``, ``CosineSimilarity``'s ``axis``) becomes
+    ``keras_ema_opt.compat.losses``' class of that name, and a
+    ``jit_compile`` equal to what ``"auto"`` resolves to on this backend
+    (Keras stores the resolved value: True on JAX) is written as
+    ``"auto"``. The model's own training is unchanged."""
+    from keras_ema_opt.compat import losses
+
+    holder = getattr(model, "_compile_config", None)
+    config = getattr(holder, "config", None)
+    if not isinstance(config, dict):
+        return  # not compiled
+    if config.get("loss") is not None:
+        config["loss"] = losses.keeping_arguments(config["loss"])
+    jit = config.get("jit_compile")
+    resolve = getattr(model, "_resolve_auto_jit_compile", None)
+    if isinstance(jit, bool) and resolve is not None and not config.get(
+            "run_eagerly") and jit == bool(resolve()):
+        config["jit_compile"] = "auto"
+
+
+def _load_model(path, custom_objects, safe_mode, model):
+    """``_load``'s tuple, before the compile config is made portable."""
     from keras_ema_opt.compat import configs
 
     record = readers.read(path)
@@ -349,8 +381,10 @@ def migrate(src, dst, custom_objects=None, safe_mode=True, model=None,
 
     The file is written to a temporary name beside ``dst``, then (unless
     ``verify=False``) reloaded: every model and optimizer tensor is compared
-    with the migrated model and with the source artifact, and one forward
-    pass runs; only then is it renamed to ``dst``. On any failure no file
+    with the migrated model and with the source artifact, the reloaded
+    loss with the migrated model's (the same functions, arguments and
+    reductions), and one forward pass runs; only then is it renamed to
+    ``dst``. On any failure no file
     is left at ``dst``.
 
     Args:
@@ -435,6 +469,7 @@ def migrate(src, dst, custom_objects=None, safe_mode=True, model=None,
                 raise LegacyStateError(
                     f"{src} -> {dst}: {e} No file was written.") from e
             _verify_source(record, mapping, placed, migrated, reloaded)
+            _verify_loss(src, dst, migrated, reloaded)
         _io.publish(tmp, dst)
     say("done")
     return migrated
@@ -516,6 +551,40 @@ def _verify_source(record, mapping, placed, migrated, reloaded):
     for what, var, value in placed:
         check(reloaded.optimizer.variables[position[id(var)]], value,
               f"optimizer state {what}")
+
+
+def _verify_loss(src, dst, migrated, reloaded):
+    """The reloaded model's loss computes what the migrated model's does:
+    the same functions, with the same arguments and reductions."""
+    want = _loss_form(getattr(migrated, "loss", None))
+    got = _loss_form(getattr(reloaded, "loss", None))
+    if want != got:
+        raise LegacyStateError(
+            f"{src} -> {dst}: the loss differs after writing and reloading "
+            f"the .keras file: {want} migrated, {got} reloaded. No file was "
+            "written.")
+
+
+def _loss_form(loss):
+    """What a compiled loss computes, comparable across a save: for each
+    loss object its function's (or class's) name, arguments and
+    reduction, in the structure ``compile`` took."""
+    import keras
+
+    if isinstance(loss, dict):
+        return {k: _loss_form(v) for k, v in loss.items()}
+    if isinstance(loss, (list, tuple)):
+        return [_loss_form(v) for v in loss]
+    if isinstance(loss, keras.losses.Loss):
+        fn = getattr(loss, "fn", None)
+        if fn is not None:
+            arguments = {k: repr(v) for k, v in loss._fn_kwargs.items()}
+            return (getattr(fn, "__name__", repr(fn)), arguments,
+                    loss.reduction)
+        config = {k: repr(v) for k, v in loss.get_config().items()
+                  if k != "name"}
+        return (type(loss).__name__, config, loss.reduction)
+    return getattr(loss, "__name__", loss)
 
 
 def _dtype(tensor):

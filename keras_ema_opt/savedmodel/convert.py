@@ -12,6 +12,7 @@ import numpy as np
 
 from keras_ema_opt.compat import configs
 from keras_ema_opt.compat import legacy_rules
+from keras_ema_opt.compat import losses as compat_losses
 from keras_ema_opt.compat import slots as slot_tables
 from keras_ema_opt.errors import LegacyConfigError
 from keras_ema_opt.errors import LegacyStateError
@@ -335,7 +336,7 @@ def fill_optimizer(record, optimizer, mapping, model, placed=None):
                        np.asarray(lr, dtype="float32")))
     _warn_other_hyperparameters(record, inner)
     table = slot_tables.SLOT_ATTRIBUTES.get(type(inner).__name__, {})
-    averager = getattr(inner, "_averager", None)
+    averages = _averages_of(inner)
     missed, frozen = [], []
     built_on = inner._trainable_variables_indices
     for slot in state.slots:
@@ -349,12 +350,12 @@ def fill_optimizer(record, optimizer, mapping, model, placed=None):
             continue
         index = None if var is None else inner._get_variable_index(var)
         if slot.slot == "average":
-            if averager is None or index is None or (
-                    averager.slots[index] is None):
+            target = None if index is None else averages(index)
+            if target is None:
                 missed.append(what)
                 continue
-            _assign(averager.slots[index][0], slot.value, what, record)
-            placed.append((what, averager.slots[index][0], slot.value))
+            _assign(target, slot.value, what, record)
+            placed.append((what, target, slot.value))
             continue
         if _unused_buffer(inner, slot.slot, state):
             continue
@@ -368,10 +369,14 @@ def fill_optimizer(record, optimizer, mapping, model, placed=None):
         _assign(target[index], slot.value, what, record)
         placed.append((what, target[index], slot.value))
     if missed:
+        hint = ""
+        if any(m.startswith("average of ") for m in missed):
+            hint = (" The Keras 2 optimizer kept moving averages of the "
+                    "weights: the optimizer takes them with use_ema=True.")
         raise LegacyStateError(
-            f"{record.path}: {type(inner).__name__} built from the config has "
-            f"no place for the Keras 2 state {missed[:6]}"
-            f"{'...' if len(missed) > 6 else ''}.")
+            f"{record.path}: the {type(inner).__name__} the state is loaded "
+            f"into has no place for the Keras 2 state {missed[:6]}"
+            f"{'...' if len(missed) > 6 else ''}.{hint}")
     if frozen:
         frozen = list(dict.fromkeys(frozen))
         warnings.warn(
@@ -393,6 +398,22 @@ def fill_optimizer(record, optimizer, mapping, model, placed=None):
         optimizer.step_counter.assign(
             int(state.hyperparameters.get("good_steps") or 0))
     return optimizer
+
+
+def _averages_of(optimizer):
+    """A function giving the moving average of the built ``optimizer``'s
+    variable of index ``i`` (None where it keeps none): ours
+    (``_averager``), or Keras' own ``use_ema=True`` averages."""
+    averager = getattr(optimizer, "_averager", None)
+    if averager is not None:
+        def ours(i):
+            slots = averager.slots[i] if i < len(averager.slots) else None
+            return slots[0] if slots else None
+        return ours
+    keras_own = getattr(optimizer, "_model_variables_moving_average", None)
+    if not getattr(optimizer, "use_ema", False) or not keras_own:
+        return lambda i: None
+    return lambda i: keras_own[i] if i < len(keras_own) else None
 
 
 def _class_of(name):
@@ -477,7 +498,12 @@ def compile_arguments(record, custom_objects=None):
     Keras 2 loss configs carry ``reduction="auto"`` (Keras 3:
     ``"sum_over_batch_size"``, what ``"auto"`` meant outside a
     ``tf.distribute`` strategy) and the wrapped function's name (``fn``),
-    which Keras 3's loss classes do not take: both are translated. A loss
+    which Keras 3's loss classes do not take: both are translated. A
+    ``Huber`` or ``CosineSimilarity`` loss is built as
+    ``keras_ema_opt.compat.losses``' class of that name, whose config
+    keeps its ``delta`` or ``axis`` (Keras 3.15's leaves it out). A single
+    loss with a weight per output is repeated for each output, as Keras 2
+    applied it (Keras 3 refuses one loss and several weights). A loss
     or metric stored by name is resolved now, through ``custom_objects``
     (a custom function), not at the first training step. A metric Keras 3
     cannot build is left out with a warning naming it (metrics hold no
@@ -491,8 +517,11 @@ def compile_arguments(record, custom_objects=None):
     loss = training.get("loss")
     if loss is not None:
         out["loss"] = _loss(loss, custom_objects, record)
-    if training.get("loss_weights") is not None:
-        out["loss_weights"] = training["loss_weights"]
+    weights = training.get("loss_weights")
+    if weights is not None:
+        out["loss_weights"] = weights
+        if "loss" in out:
+            out["loss"] = _per_output(out["loss"], weights)
     dropped = []
     for key in ("metrics", "weighted_metrics"):
         value = training.get(key)
@@ -510,6 +539,20 @@ def compile_arguments(record, custom_objects=None):
     return out
 
 
+def _per_output(loss, weights):
+    """Keras 2 applied a single loss to every output of a model compiled
+    with a weight per output; Keras 3 takes a loss per weight (it refuses
+    one loss and two weights): the loss, repeated in the weights'
+    structure."""
+    if isinstance(loss, (list, tuple, dict)):
+        return loss
+    if isinstance(weights, dict) and len(weights) > 1:
+        return {name: loss for name in weights}
+    if isinstance(weights, (list, tuple)) and len(weights) > 1:
+        return [loss] * len(weights)
+    return loss
+
+
 def _loss(loss, custom_objects, record):
     if isinstance(loss, dict) and loss.get("class_name") == "function":
         # tf_keras .keras files: a function, by name.
@@ -521,7 +564,7 @@ def _loss(loss, custom_objects, record):
             config["reduction"] = "sum_over_batch_size"
         try:
             with keras.saving.custom_object_scope(custom_objects or {}):
-                return keras.losses.deserialize(
+                built = keras.losses.deserialize(
                     dict(loss, config=config), custom_objects)
         except (TypeError, ValueError) as e:
             raise LegacyConfigError(
@@ -529,6 +572,9 @@ def _loss(loss, custom_objects, record):
                 f"{loss.get('class_name')!r} with the config {config} "
                 f"({_first_line(e)}). A custom loss comes in through "
                 "`custom_objects`.") from e
+        # Keras 3.15's Huber and CosineSimilarity configs leave out their
+        # argument: the written file would train on the default.
+        return compat_losses.keeping_arguments(built)
     if isinstance(loss, dict):
         return {k: _loss(v, custom_objects, record) for k, v in loss.items()}
     if isinstance(loss, list):

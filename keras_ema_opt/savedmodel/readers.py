@@ -403,8 +403,10 @@ class _Placer:
     weights share a name (same-named layers in sub-models), the list's
     elements of that name are taken in model order when there are as many
     of them as weights of that name. When there are fewer (some of those
-    layers were frozen when the optimizer was built), the SavedModel's
-    trainable variables at save time decide if they are as many; otherwise
+    layers were frozen when the optimizer was built), the model's
+    trainable variables at save time decide if they are as many (a
+    SavedModel lists them; an h5 file's model config marks each layer
+    trainable or not); otherwise
     which weights the state belongs to cannot be told, and a
     ``LegacyStateError`` says so rather than guess.
     """
@@ -458,8 +460,9 @@ class _Placer:
             "frozen when the optimizer was built, and the artifact does not "
             "say which ones (Keras 2 does not store the optimizer's variable "
             "list). Save the Keras 2 model with those layers frozen as they "
-            "were in training (a SavedModel lists its trainable variables), "
-            "or give the layers distinct names.")
+            "were in training (a SavedModel lists its trainable variables, "
+            "an h5 file's config marks its frozen layers), or give the "
+            "layers distinct names.")
 def _read_v2(graph, node, children, record, paths):
     state = OptimizerState(kind="legacy")
     state.iterations = int(_scalar(graph.value(children["iter"])))
@@ -561,8 +564,8 @@ def read_h5(path):
         with h5py.File(path, "r") as f:
             _read_h5(f, record, path)
     except (OSError, KeyError, ValueError, TypeError) as e:
-        if isinstance(e, LegacyFormatError):
-            raise
+        if isinstance(e, (LegacyFormatError, LegacyStateError)):
+            raise  # read, and named: not a file h5py cannot read
         raise LegacyFormatError(
             f"{path}: cannot read it as a Keras 2 h5 file ({e}).",
             path=path) from e
@@ -620,7 +623,7 @@ def _read_h5(f, record, path):
 
 def _h5_optimizer(values, record, path):
     by_name = _weights_by_name(record)
-    placer = _Placer(record, path)
+    placer = _Placer(record, path, _trainable_in_config(record))
     if any(n.split("/")[-1] == "iter" for n, _ in values):
         state = OptimizerState(kind="legacy")
     else:
@@ -658,6 +661,53 @@ def _h5_optimizer(values, record, path):
         "is used)" + (" nor Nadam's u_product (recomputed from the "
                       "iteration count)" if state.kind == "new" else ""))
     return state
+
+
+def _trainable_in_config(record):
+    """The record keys of the h5 weights whose layer, and every layer
+    around it, the model config marks trainable: the model's trainable
+    weights when it was saved (what a SavedModel lists), or None where
+    the config does not tell (no config, or a weight of a layer it does
+    not hold)."""
+    config = (record.model_config or {}).get("config")
+    layers = config.get("layers") if isinstance(config, dict) else None
+    if not isinstance(layers, list):
+        return None
+    top = {_layer_name(layer): layer for layer in layers
+           if isinstance(layer, dict)}
+    trainable = set()
+    for key in record.weights:
+        layer = top.get(key.split("/", 1)[0])
+        if layer is None:
+            return None
+        inner = record.names.get(key, key).split("/")[:-1]
+        if not _frozen_in_config(layer, inner):
+            trainable.add(key)
+    return trainable
+
+
+def _layer_name(layer):
+    config = layer.get("config")
+    name = config.get("name") if isinstance(config, dict) else None
+    return name or layer.get("name")
+
+
+def _frozen_in_config(layer, inner):
+    """Whether ``layer``'s config (a model's, or a layer's), or that of the
+    layer inside it named by the path ``inner``, is marked not
+    trainable."""
+    config = layer.get("config")
+    if not isinstance(config, dict):
+        return False
+    if config.get("trainable") is False:
+        return True
+    children = config.get("layers")
+    if not inner or not isinstance(children, list):
+        return False
+    for child in children:
+        if isinstance(child, dict) and _layer_name(child) == inner[0]:
+            return _frozen_in_config(child, inner[1:])
+    return False
 
 
 def _longest_known(parts, by_name):

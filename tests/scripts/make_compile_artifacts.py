@@ -70,14 +70,20 @@ def _regression(loss, metrics, optimizer=None):
     return make
 
 
+def _two_outputs(**units):
+    """A model of two Dense outputs on one hidden layer: ``units`` by
+    output name, in order."""
+    inputs = k2.Input((4,))
+    hidden = k2.layers.Dense(5, name="h")(inputs)
+    return k2.Model(inputs, [k2.layers.Dense(n, name=name)(hidden)
+                             for name, n in units.items()])
+
+
 def _multi_output(as_dict):
     # Keras 2 named each output's metric objects after the output
     # (`reg_mae`), where Keras 3 adds the output's name itself.
     def make():
-        inputs = k2.Input((4,))
-        hidden = k2.layers.Dense(5, name="h")(inputs)
-        model = k2.Model(inputs, [k2.layers.Dense(2, name="reg")(hidden),
-                                  k2.layers.Dense(3, name="cls")(hidden)])
+        model = _two_outputs(reg=2, cls=3)
         losses = ["mse", k2.losses.SparseCategoricalCrossentropy(
             from_logits=True)]
         metrics = [["mae"], ["accuracy"]]
@@ -90,6 +96,24 @@ def _multi_output(as_dict):
         return model, [(rng.randn(8, 4).astype("float32"),
                         [rng.randn(8, 2).astype("float32"),
                          rng.randint(0, 3, 8).astype("int32")])
+                       for _ in range(3)]
+    return make
+
+
+def _one_loss_weighted(as_dict):
+    # One loss for two outputs, with a weight for each: Keras 2 applied
+    # the loss to every output (Keras 3 takes a loss per weight).
+    def make():
+        model = _two_outputs(a=2, b=2)
+        weights = [1.0, 0.3]
+        if as_dict:
+            weights = dict(zip(["a", "b"], weights))
+        model.compile(optimizer=k2.optimizers.Adam(0.01), loss="mse",
+                      loss_weights=weights)
+        rng = np.random.RandomState(5)
+        return model, [(rng.randn(8, 4).astype("float32"),
+                        [rng.randn(8, 2).astype("float32"),
+                         rng.randn(8, 2).astype("float32")])
                        for _ in range(3)]
     return make
 
@@ -116,6 +140,12 @@ CASES = {
     "metric_names": _metric_names,
     "multi_output": _multi_output(as_dict=False),
     "multi_output_dict": _multi_output(as_dict=True),
+    # Arguments Keras 3.15's classes leave out of their configs.
+    "huber": _regression(lambda: k2.losses.Huber(delta=0.5), lambda: None),
+    "cosine_axis": _regression(
+        lambda: k2.losses.CosineSimilarity(axis=0), lambda: None),
+    "one_loss_weighted": _one_loss_weighted(as_dict=False),
+    "one_loss_weighted_dict": _one_loss_weighted(as_dict=True),
     # Compiled, saved before the first step: no optimizer state anywhere.
     "fresh": _regression(lambda: "mse", lambda: None,
                          lambda: k2.optimizers.legacy.SGD(0.05,

@@ -4,8 +4,8 @@ with tf_keras' own optimizer state (the oracle of
 ``tests/test_migration_frozen.py``).
 
 Usage: make_frozen_artifacts.py OUT_DIR NAME... ; NAME a key of CASES.
-Writes OUT_DIR/<name>/{savedmodel/, model.h5 (where tf_keras can write
-one), model.keras, expected.npz}: ``expected.npz`` holds, for every
+Writes OUT_DIR/<name>/{savedmodel/, model.h5, model.keras,
+expected.npz}: ``expected.npz`` holds, for every
 variable the optimizer was built on, its Adam moments under
 ``m:<layer path>/<weight>`` and ``v:...`` (the layer path through the
 sub-models, as Keras 3 names the variable), and ``iterations``.
@@ -106,8 +106,9 @@ def make(out, name):
         after()
     model.save(os.path.join(folder, "savedmodel"), save_format="tf")
     model.save(os.path.join(folder, "model.keras"))
-    if not name.startswith("collide"):  # the names collide in an h5 file
-        model.save(os.path.join(folder, "model.h5"))
+    # An h5 file of same-named layers keeps them apart by their top-level
+    # layer (`a/proj/kernel`), and its config marks the frozen ones.
+    model.save(os.path.join(folder, "model.h5"))
     np.savez(os.path.join(folder, "expected.npz"), **expected)
 
 
