@@ -65,9 +65,12 @@ class SwapAverage(keras.callbacks.Callback):
     this callback; otherwise a warning says so when ``fit()`` begins.
 
     A ``fit()``, ``evaluate()`` or ``predict()`` that ends in an exception
-    (Keras then calls no ``*_end``) leaves nothing behind: the next call
-    with this callback puts the raw weights back first, and an
-    ``evaluate()`` after an interrupted ``fit()`` ends on them.
+    (Keras then calls no ``*_end``) leaves nothing of this callback behind:
+    the next call with this callback puts the raw weights back first, and
+    an ``evaluate()`` after an interrupted ``fit()`` ends on them. (On JAX,
+    Keras 3.15's own trainer leaves a model whose ``evaluate()`` raised
+    with its variables unset, with or without this callback: its next
+    ``get_weights()`` raises ``TypeError``.)
 
     Example:
 
@@ -234,9 +237,12 @@ class AveragedCheckpoint(keras.callbacks.Callback):
         slot: Which average, for strategies keeping several (PowerEMA).
 
     A ``fit()``, ``evaluate()`` or ``predict()`` that ends in an exception
-    (Keras then calls no ``*_end``) leaves nothing behind: the next call
-    with this callback puts the raw weights back first, and an
-    ``evaluate()`` after an interrupted ``fit()`` ends on them.
+    (Keras then calls no ``*_end``) leaves nothing of this callback behind:
+    the next call with this callback puts the raw weights back first, and
+    an ``evaluate()`` after an interrupted ``fit()`` ends on them. (On JAX,
+    Keras 3.15's own trainer leaves a model whose ``evaluate()`` raised
+    with its variables unset, with or without this callback: its next
+    ``get_weights()`` raises ``TypeError``.)
 
     Example:
 
@@ -272,7 +278,7 @@ class AveragedCheckpoint(keras.callbacks.Callback):
             )
         self.filepath = filepath
         self.save_freq = save_freq
-        self.slot = slot
+        self.slot = strategies._check_int("slot", slot, 0)
         self.saved = []
 
     def on_epoch_end(self, epoch, logs=None):

@@ -8,6 +8,7 @@ import re
 import keras
 import numpy as np
 import pytest
+from conftest import BACKEND
 from conftest import only_on
 from conftest import to_numpy
 
@@ -292,6 +293,13 @@ def test_swap_average_callback_under_a_mixed_precision_policy():
     inner = model.optimizer.inner_optimizer
     assert any(not np.array_equal(to_numpy(v), to_numpy(inner.average_of(v)))
                for v in model.trainable_variables)  # restored afterwards
+    # Keras' LossScaleOptimizer has no averaging API; its inner optimizer
+    # has it all (README).
+    assert not hasattr(model.optimizer, "swap_average")
+    with inner.swap_average(model):
+        for v in model.trainable_variables:
+            np.testing.assert_array_equal(to_numpy(v),
+                                          to_numpy(inner.average_of(v)))
 
 class _Interrupt(keras.callbacks.Callback):
     """Raises during validation, as a Ctrl-C or a failing metric would."""
@@ -395,6 +403,11 @@ def test_callback_errors_name_what_was_received():
         AveragedCheckpoint("model.h5")
     with pytest.raises(InvalidArgumentError, match="save_freq=0"):
         AveragedCheckpoint("m.keras", save_freq=0)
+    # At construction, as SwapAverage's (it was read after an epoch).
+    for slot in ("a", -1, 1.5):
+        with pytest.raises(InvalidArgumentError,
+                           match=re.escape(f"slot={slot!r}")):
+            AveragedCheckpoint("m.keras", slot=slot)
     x, y = _data()
     model = _model()
     model.compile(optimizer=keras.optimizers.Adam(), loss="mse")
@@ -463,6 +476,49 @@ def test_float32_averages_of_low_precision_weights_under_xla(dtype):
         expected = 0.9 * expected + 0.1 * to_numpy(w).astype(np.float64)
     np.testing.assert_allclose(to_numpy(opt.average_of(w)), expected,
                                rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("xla", [False, True])
+def test_float16_subnormal_weights_are_averaged_as_stored(xla):
+    # Weights below float16's smallest normal (6.1e-5): XLA's
+    # reduce_precision, with which `backend.widen` keeps a compiled step's
+    # rounding, flushes them to zero. On JAX, and under XLA on TensorFlow,
+    # the SWA average of weights that never moved was 0, and an EMA of
+    # weights moving among subnormals mixed zeros.
+    if xla and BACKEND != "tensorflow":
+        pytest.skip("JAX compiles every step; PyTorch has no XLA step")
+    values = np.array([3e-5, -2e-5, 1e-6, 6e-8, -6.1e-5, 5e-5, 1e-3],
+                      "float16")
+    moves = np.array([1e-5, -3e-6, 4e-6, 1e-7, -2e-5, 3e-5, 1e-4],
+                     "float16")
+    for averaging, grads in [
+            (keras_ema_opt.SWA(average_dtype="float32"), 0 * moves),
+            (keras_ema_opt.EMA(0.5, average_dtype="float32"), moves)]:
+        name = type(averaging).__name__
+        w = keras.Variable(values, dtype="float16")
+        opt = keras_ema_opt.SGD(0.3, averaging=averaging)
+        opt.build([w])
+        g = keras.ops.convert_to_tensor(grads)
+
+        def step():
+            opt.apply_gradients([(g, w)])
+        if xla:
+            import tensorflow as tf
+
+            step = tf.function(step, jit_compile=True)
+        expected = to_numpy(w).astype(np.float64)
+        for _ in range(4):
+            step()
+            stored = to_numpy(w).astype(np.float64)
+            expected = stored if name == "SWA" else (
+                0.5 * expected + 0.5 * stored)
+        assert np.all(stored[:6] != 0) and np.all(
+            np.abs(stored[:6]) < 6.2e-5), stored
+        average = to_numpy(opt.average_of(w))
+        if name == "SWA":  # weights that never moved: exactly them
+            np.testing.assert_array_equal(average, values.astype("float32"))
+        np.testing.assert_allclose(average, expected, rtol=1e-6, atol=1e-12,
+                                   err_msg=name)
 
 
 @pytest.mark.parametrize("dtype,momentum", [("bfloat16", 0.999),
@@ -580,6 +636,34 @@ def test_strategy_errors_name_the_value():
             keras_ema_opt.EMA(warmup="power", **kwargs)
     with pytest.raises(InvalidArgumentError, match="start_step=100"):
         keras_ema_opt.PowerEMA(start_step=100)
+    # An argument no strategy takes: typed (a TypeError too, as Python's),
+    # with the ones accepted (it was Averaging.__init__'s TypeError).
+    for cls, kwargs, accepted in [
+            (keras_ema_opt.EMA, dict(bogus=1), "momentum, power"),
+            (keras_ema_opt.SWA, dict(decay=0.9), "average_dtype, every"),
+            (keras_ema_opt.PowerEMA, dict(sigma_rel=0.1), "sigma_rels")]:
+        with pytest.raises(keras_ema_opt.errors.UnknownArgumentError,
+                           match=rf"{cls.__name__} does not accept the "
+                           rf"argument\(s\) {{'{next(iter(kwargs))}'.*"
+                           rf"Accepted arguments: .*{accepted}"):
+            cls(**kwargs)
+
+
+def test_average_dtype_the_backend_does_not_hold_is_refused():
+    # JAX without its 64-bit mode holds a float64 variable's value in
+    # float32: the averages were float32 while the config said float64.
+    v = keras.Variable(np.ones((3,), "float32"))
+    opt = keras_ema_opt.SGD(0.1, averaging=keras_ema_opt.EMA(
+        0.9, average_dtype="float64"))
+    if BACKEND == "jax" and not __import__("jax").config.jax_enable_x64:
+        with pytest.raises(InvalidArgumentError,
+                           match=r"average_dtype='float64'.* in float32, "
+                           r"not float64 .*jax_enable_x64"):
+            opt.build([v])
+        return
+    opt.build([v])
+    assert keras.backend.standardize_dtype(
+        opt.average_of(v).dtype) == "float64"
 
 
 @pytest.mark.parametrize("explicit", [False, True])

@@ -112,14 +112,19 @@ def test_update_bn_equals_torch_swa_utils_update_bn():
             torch.utils.data.TensorDataset(torch.tensor(x, dtype=torch.float64)),
             batch_size=16),
         tmodel)
-    keras_ema_opt.update_bn(model, loader)
-    got = _statistics(model)
-    for i, layer in enumerate(norms):
-        np.testing.assert_allclose(
-            got[2 * i], layer.running_mean.numpy(), rtol=2e-5, atol=1e-6)
-        np.testing.assert_allclose(
-            got[2 * i + 1], layer.running_var.numpy() * 15 / 16,
-            rtol=2e-5, atol=1e-6)
+    # A loader of (x,) tuples, and one over the tensor itself, whose
+    # batches are bare tensors (Keras' own numpy iterator split each into
+    # its rows).
+    bare = torch.utils.data.DataLoader(torch.tensor(x), batch_size=16)
+    for given in (loader, bare):
+        assert keras_ema_opt.update_bn(model, given) == 64
+        got = _statistics(model)
+        for i, layer in enumerate(norms):
+            np.testing.assert_allclose(
+                got[2 * i], layer.running_mean.numpy(), rtol=2e-5, atol=1e-6)
+            np.testing.assert_allclose(
+                got[2 * i + 1], layer.running_var.numpy() * 15 / 16,
+                rtol=2e-5, atol=1e-6)
 
 
 def _forms(x):
@@ -289,6 +294,13 @@ def test_update_bn_refuses_data_without_samples():
         keras_ema_opt.update_bn(model, empty)
     for v, value in zip(model.variables, before):
         np.testing.assert_array_equal(to_numpy(v), value)
+
+
+@pytest.mark.parametrize("model", [None, "model", np.ones((2, 3))])
+def test_update_bn_refuses_what_is_not_a_model(model):
+    with pytest.raises(InvalidArgumentError, match=r"(?s)`model` must be a "
+                       r"Keras model .*Received: .* of type"):
+        keras_ema_opt.update_bn(model, _x(8))
 
 
 def test_update_bn_refuses_a_model_not_built():

@@ -106,6 +106,11 @@ def update_bn(model, x, batch_size=None, steps=None, all_processes=True):
     keras_ema_opt.update_bn(model, x, batch_size=16)
     ```
     """
+    if not isinstance(model, keras.layers.Layer):
+        raise InvalidArgumentError(
+            "update_bn: `model` must be a Keras model (or layer) holding "
+            f"BatchNormalization layers. Received: {model!r} of type "
+            f"{type(model).__name__}.")
     _check_count("steps", steps)
     _check_count("batch_size", batch_size)
     if not isinstance(all_processes, bool):
@@ -321,6 +326,20 @@ def _fill(variable, value):
     variable.assign(keras.ops.full(variable.shape, value, variable.dtype))
 
 
+def _numpy_iterator(adapter, x):
+    """Keras' numpy batches of ``x`` (its data adapter's). Keras' own
+    iterator over a torch ``DataLoader`` makes a tuple of each batch, which
+    splits a batch that is one tensor (a ``DataLoader`` over a tensor, as
+    ``torch.optim.swa_utils.update_bn`` takes) into its rows: such a
+    loader's batches are converted as they come."""
+    if type(adapter).__name__ != "TorchDataLoaderAdapter":
+        return adapter.get_numpy_iterator()
+
+    def to_numpy(t):
+        return np.asarray(t.cpu() if hasattr(t, "cpu") else t)
+    return (keras.tree.map_structure(to_numpy, batch) for batch in x)
+
+
 def _batches(x, batch_size, steps):
     """The inputs of each batch of ``x``, as numpy structures."""
     from keras.src.trainers.data_adapters import get_data_adapter
@@ -330,7 +349,7 @@ def _batches(x, batch_size, steps):
     if begin is not None:
         begin()
     try:
-        for data in itertools.islice(adapter.get_numpy_iterator(), steps):
+        for data in itertools.islice(_numpy_iterator(adapter, x), steps):
             inputs, _, _ = keras.utils.unpack_x_y_sample_weight(data)
             yield inputs
     finally:

@@ -116,13 +116,30 @@ class Averager:
         path = (getattr(var, "path", None) or str(var.name)).replace(
             "/", "_").replace(":", "_")
         with backend.colocate_with(var), backend.state_variable_role(suffix):
-            return optimizer.add_variable(
+            slot = optimizer.add_variable(
                 tuple(var.shape),
                 dtype=dtype,
                 initializer=initializer,
                 name=f"{path}_{suffix}",
                 layout=getattr(var, "_layout", None),
             )
+        # Its value as held (JAX without its 64-bit mode holds a float64
+        # variable's value in float32), not as read (autocast).
+        value = getattr(slot, "_value", None)
+        held = None if value is None else keras.backend.standardize_dtype(
+            value.dtype)
+        if held is not None and held != keras.backend.standardize_dtype(
+                dtype):
+            raise InvalidArgumentError(
+                f"average_dtype={self.strategy.average_dtype!r}: the "
+                f"backend holds the average of {getattr(var, 'path', path)} "
+                f"in {held}, not "
+                f"{keras.backend.standardize_dtype(dtype)} (JAX keeps "
+                "64-bit values only in its 64-bit mode: "
+                "`jax.config.update('jax_enable_x64', True)` before any "
+                "array is made). Accepted: an average_dtype the backend "
+                "holds, or None (the weights' own).")
+        return slot
 
     def primary(self):
         """The first slot of each variable (Keras' EMA list), or None."""

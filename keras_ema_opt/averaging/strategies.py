@@ -1,6 +1,7 @@
 """Averaging strategies: what average to keep, as configuration plus a pure
 decay rule. The state and the update live in ``engine.py``."""
 
+import inspect
 import numbers
 
 import keras
@@ -9,9 +10,25 @@ from keras import ops
 
 from keras_ema_opt.averaging import schedules
 from keras_ema_opt.errors import InvalidArgumentError
+from keras_ema_opt.errors import UnknownArgumentError
 
 _WARMUPS = (None, "num_updates", "power")
 _register = keras.saving.register_keras_serializable(package="keras_ema_opt")
+
+
+def _init_arguments(cls):
+    """The keyword arguments the constructors of ``cls`` and of the
+    classes it derives from take, sorted."""
+    names = set()
+    for klass in cls.__mro__:
+        init = klass.__dict__.get("__init__")
+        if init is None or klass is object:
+            continue
+        names.update(
+            name for name, p in inspect.signature(init).parameters.items()
+            if name != "self" and p.kind in (p.POSITIONAL_OR_KEYWORD,
+                                             p.KEYWORD_ONLY))
+    return sorted(names)
 
 
 def _check_int(name, value, minimum):
@@ -152,7 +169,13 @@ class Averaging:
         average_dtype=None,
         finalize=True,
         include_non_trainable=False,
+        **unknown,
     ):
+        if unknown:
+            raise UnknownArgumentError(
+                f"{type(self).__name__} does not accept the argument(s) "
+                f"{unknown}. Accepted arguments: "
+                f"{', '.join(_init_arguments(type(self)))}.")
         self.start_step = _check_int("start_step", start_step, 0)
         self.include_non_trainable = _check_bool("include_non_trainable",
                                                  include_non_trainable)

@@ -24,6 +24,13 @@ def build_scope():
     return contextlib.nullcontext()
 
 
+# float16's smallest normal value (2**-14) and the spacing of its
+# subnormals below it (2**-24), to which a compiled step's widening rounds
+# them (XLA's ``reduce_precision`` flushes them to zero).
+FLOAT16_TINY = float(np.finfo(np.float16).tiny)
+FLOAT16_SUBNORMAL = float(np.finfo(np.float16).smallest_subnormal)
+
+
 def widen(value, dtype):
     """``value`` (a variable's, of a half-precision float dtype) cast to
     the wider ``dtype`` the averages are mixed in: here, a cast."""
