@@ -125,11 +125,12 @@ class Averager:
             )
         # Its value as held (JAX without its 64-bit mode holds a float64
         # variable's value in float32), not as read (autocast).
+        # An average of the weight's own dtype is held as the weight is.
         value = getattr(slot, "_value", None)
         held = None if value is None else keras.backend.standardize_dtype(
             value.dtype)
-        if held is not None and held != keras.backend.standardize_dtype(
-                dtype):
+        if self.strategy.average_dtype is not None and held is not None \
+                and held != keras.backend.standardize_dtype(dtype):
             raise InvalidArgumentError(
                 f"average_dtype={self.strategy.average_dtype!r}: the "
                 f"backend holds the average of {getattr(var, 'path', path)} "
