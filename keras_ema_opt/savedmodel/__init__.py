@@ -578,13 +578,22 @@ def _loss_form(loss):
     if isinstance(loss, keras.losses.Loss):
         fn = getattr(loss, "fn", None)
         if fn is not None:
-            arguments = {k: repr(v) for k, v in loss._fn_kwargs.items()}
+            arguments = {k: _plain(v) for k, v in loss._fn_kwargs.items()}
             return (getattr(fn, "__name__", repr(fn)), arguments,
                     loss.reduction)
-        config = {k: repr(v) for k, v in loss.get_config().items()
+        config = {k: _plain(v) for k, v in loss.get_config().items()
                   if k != "name"}
         return (type(loss).__name__, config, loss.reduction)
     return getattr(loss, "__name__", loss)
+
+
+def _plain(value):
+    """An argument's value as JSON gives it back: ``np.float32(0.5)`` and
+    ``0.5``, ``(1, 2)`` and ``[1, 2]`` are the same argument."""
+    try:
+        return np.asarray(value).tolist()
+    except (TypeError, ValueError):
+        return repr(value)
 
 
 def _dtype(tensor):
