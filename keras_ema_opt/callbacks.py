@@ -236,13 +236,9 @@ class AveragedCheckpoint(keras.callbacks.Callback):
         save_freq: Save every ``save_freq`` epochs.
         slot: Which average, for strategies keeping several (PowerEMA).
 
-    A ``fit()``, ``evaluate()`` or ``predict()`` that ends in an exception
-    (Keras then calls no ``*_end``) leaves nothing of this callback behind:
-    the next call with this callback puts the raw weights back first, and
-    an ``evaluate()`` after an interrupted ``fit()`` ends on them. (On JAX,
-    Keras 3.15's own trainer leaves a model whose ``evaluate()`` raised
-    with its variables unset, with or without this callback: its next
-    ``get_weights()`` raises ``TypeError``.)
+    A ``fit()`` that ends in an exception leaves nothing of this callback
+    behind, as with ``SwapAverage`` (which see, also for Keras' own JAX
+    defect there).
 
     Example:
 
