@@ -40,6 +40,7 @@ PUBLIC = [getattr(keras_ema_opt, n) for n in keras_ema_opt.__all__
     compat.losses.Huber,
     compat.losses.CosineSimilarity,
     compat.losses.keeping_arguments,
+    compat.losses.loss_form,
 ]
 
 

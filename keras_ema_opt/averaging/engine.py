@@ -123,19 +123,20 @@ class Averager:
                 name=f"{path}_{suffix}",
                 layout=getattr(var, "_layout", None),
             )
-        # Its value as held (JAX without its 64-bit mode holds a float64
-        # variable's value in float32), not as read (autocast).
-        # An average of the weight's own dtype is held as the weight is.
+        # A given average_dtype, as the value is held (JAX without its
+        # 64-bit mode holds a float64 variable's value in float32), not as
+        # read (autocast); an average of the weight's own dtype is held as
+        # the weight is.
         value = getattr(slot, "_value", None)
-        held = None if value is None else keras.backend.standardize_dtype(
-            value.dtype)
-        if self.strategy.average_dtype is not None and held is not None \
-                and held != keras.backend.standardize_dtype(dtype):
+        if self.strategy.average_dtype is None or value is None:
+            return slot
+        held = keras.backend.standardize_dtype(value.dtype)
+        wanted = keras.backend.standardize_dtype(dtype)
+        if held != wanted:
             raise InvalidArgumentError(
                 f"average_dtype={self.strategy.average_dtype!r}: the "
                 f"backend holds the average of {getattr(var, 'path', path)} "
-                f"in {held}, not "
-                f"{keras.backend.standardize_dtype(dtype)} (JAX keeps "
+                f"in {held}, not {wanted} (JAX keeps "
                 "64-bit values only in its 64-bit mode: "
                 "`jax.config.update('jax_enable_x64', True)` before any "
                 "array is made). Accepted: an average_dtype the backend "

@@ -25,10 +25,22 @@ def build_scope():
 
 
 # float16's smallest normal value (2**-14) and the spacing of its
-# subnormals below it (2**-24), to which a compiled step's widening rounds
-# them (XLA's ``reduce_precision`` flushes them to zero).
-FLOAT16_TINY = float(np.finfo(np.float16).tiny)
-FLOAT16_SUBNORMAL = float(np.finfo(np.float16).smallest_subnormal)
+# subnormals below it (2**-24).
+_FLOAT16_TINY = float(np.finfo(np.float16).tiny)
+_FLOAT16_SUBNORMAL = float(np.finfo(np.float16).smallest_subnormal)
+
+
+def keep_float16_subnormals(widened, rounded):
+    """``rounded``, XLA's ``reduce_precision`` of ``widened`` to float16's
+    bits (which keeps a compiled step's rounding of a float16 weight, but
+    flushes float16's subnormals, below 6.1e-5, to zero), with those
+    values rounded to their own spacing instead (2**-24)."""
+    subnormal = keras.ops.multiply(
+        keras.ops.round(keras.ops.divide(widened, _FLOAT16_SUBNORMAL)),
+        _FLOAT16_SUBNORMAL)
+    return keras.ops.where(
+        keras.ops.less(keras.ops.abs(widened), _FLOAT16_TINY), subnormal,
+        rounded)
 
 
 def widen(value, dtype):

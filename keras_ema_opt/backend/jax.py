@@ -40,9 +40,9 @@ def widen(value, dtype):
     excess precision, drops that rounding and its cast back: the average
     mixed the unrounded update, a value the weight never held (up to a
     rounding of the weight's dtype each step, unlike TensorFlow and
-    PyTorch). ``reduce_precision`` keeps the rounding; it flushes
-    float16's subnormals (below 6.1e-5) to zero, which are rounded to
-    their own spacing instead (``_common.FLOAT16_SUBNORMAL``)."""
+    PyTorch). ``reduce_precision`` keeps the rounding (float16's
+    subnormals, which it flushes to zero, through
+    ``_common.keep_float16_subnormals``)."""
     out = keras.ops.cast(value, dtype)
     source = jnp.dtype(getattr(value, "dtype", out.dtype))
     if source in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)) and (
@@ -51,10 +51,7 @@ def widen(value, dtype):
         rounded = jax.lax.reduce_precision(out, exponent_bits=info.nexp,
                                            mantissa_bits=info.nmant)
         if source == jnp.dtype(jnp.float16):
-            spacing = _common.FLOAT16_SUBNORMAL
-            subnormal = jnp.round(out / spacing) * spacing
-            rounded = jnp.where(jnp.abs(out) < _common.FLOAT16_TINY, subnormal,
-                                rounded)
+            rounded = _common.keep_float16_subnormals(out, rounded)
         out = rounded
     return out
 

@@ -127,9 +127,9 @@ def widen(value, dtype):
     weight is a float32 result cast to bfloat16 or float16, and XLA, which
     allows excess precision, drops that rounding and its cast back (the
     average mixed the unrounded update, as on JAX): XLA's
-    ``reduce_precision`` keeps it, and rounds float16's subnormals (below
-    6.1e-5), which it flushes to zero, to their own spacing
-    (``_common.FLOAT16_SUBNORMAL``). Elsewhere, a cast."""
+    ``reduce_precision`` keeps it (float16's subnormals, which it flushes
+    to zero, through ``_common.keep_float16_subnormals``). Elsewhere, a
+    cast."""
     out = tf.cast(value, dtype)
     source = tf.as_dtype(value.dtype)
     if source in (tf.bfloat16, tf.float16) and out.dtype.size > source.size \
@@ -141,10 +141,7 @@ def widen(value, dtype):
         rounded = tf_xla.reduce_precision(out, exponent_bits=bits[0],
                                           mantissa_bits=bits[1])
         if source == tf.float16:
-            spacing = tf.constant(_common.FLOAT16_SUBNORMAL, out.dtype)
-            subnormal = tf.round(out / spacing) * spacing
-            rounded = tf.where(tf.abs(out) < _common.FLOAT16_TINY,
-                               subnormal, rounded)
+            rounded = _common.keep_float16_subnormals(out, rounded)
         out = rounded
     return out
 

@@ -24,6 +24,7 @@ assert float(again(keras.ops.zeros((1, 1)), keras.ops.ones((1, 1)))) == 0.375
 """
 
 import keras
+import numpy as np
 
 
 def _config_with(loss, name):
@@ -76,21 +77,55 @@ _KEEPING = {keras.losses.Huber: Huber,
             keras.losses.CosineSimilarity: CosineSimilarity}
 
 
-def _arguments_lost(loss):
-    """The arguments of Keras loss object ``loss`` that its config leaves
-    out (``{name: value}``, as its class rebuilds it from that config
-    without them); ``{}`` where it keeps them all, or is no loss object
-    with arguments."""
-    kwargs = getattr(loss, "_fn_kwargs", None)
-    if not kwargs or not isinstance(loss, keras.losses.Loss):
-        return {}
+def loss_form(loss):
+    """What a compiled loss computes, comparable across a save: for each
+    loss object its function's (or class's) name, arguments and
+    reduction, in the structure ``compile`` took (a name or function as
+    its name). Argument values are taken as a file gives them back:
+    ``np.float32(0.5)`` and ``0.5``, ``(1, 2)`` and ``[1, 2]`` are the
+    same.
+
+    Example:
+
+    ```python
+    import keras
+    from keras_ema_opt.compat.losses import loss_form
+
+    assert loss_form(keras.losses.Huber(delta=0.5)) != loss_form(
+        keras.losses.Huber())
+    ```
+    """
+    if isinstance(loss, dict):
+        return {k: loss_form(v) for k, v in loss.items()}
+    if isinstance(loss, (list, tuple)):
+        return [loss_form(v) for v in loss]
+    if isinstance(loss, keras.losses.Loss):
+        fn = getattr(loss, "fn", None)
+        if fn is not None:
+            arguments = {k: _plain(v) for k, v in loss._fn_kwargs.items()}
+            return (getattr(fn, "__name__", repr(fn)), arguments,
+                    loss.reduction)
+        config = {k: _plain(v) for k, v in loss.get_config().items()
+                  if k != "name"}
+        return (type(loss).__name__, config, loss.reduction)
+    return getattr(loss, "__name__", loss)
+
+
+def _plain(value):
+    try:
+        return np.asarray(value).tolist()
+    except (TypeError, ValueError):
+        return repr(value)
+
+
+def _config_loses_arguments(loss):
+    """Whether ``loss``'s class, rebuilt from its config, computes another
+    loss (its config leaves out an argument)."""
     try:
         again = type(loss).from_config(loss.get_config())
     except (TypeError, ValueError):
-        return {}
-    kept = getattr(again, "_fn_kwargs", {})
-    return {k: v for k, v in kwargs.items()
-            if k not in kept or not _same(kept[k], v)}
+        return False
+    return loss_form(again) != loss_form(loss)
 
 
 def keeping_arguments(loss):
@@ -117,14 +152,8 @@ def keeping_arguments(loss):
     if isinstance(loss, (list, tuple)):
         return type(loss)(keeping_arguments(v) for v in loss)
     keeping = _KEEPING.get(type(loss))
-    if keeping is None or not _arguments_lost(loss):
+    if keeping is None or not _config_loses_arguments(loss):
         return loss
     config = keras.losses.Loss.get_config(loss)
     return keeping(**config, **loss._fn_kwargs)
 
-
-def _same(a, b):
-    try:
-        return bool(a == b)
-    except (TypeError, ValueError):  # arrays: elementwise
-        return a is b

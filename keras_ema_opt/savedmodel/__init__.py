@@ -186,8 +186,15 @@ def _portable_compile_config(model):
     (``Huber``'s ``delta``, ``CosineSimilarity``'s ``axis``) becomes
     ``keras_ema_opt.compat.losses``' class of that name, and a
     ``jit_compile`` equal to what ``"auto"`` resolves to on this backend
-    (Keras stores the resolved value: True on JAX) is written as
-    ``"auto"``. The model's own training is unchanged."""
+    is written as ``"auto"``. The model's own training is unchanged.
+
+    Keras stores the value ``"auto"`` resolves to (True on JAX), and a
+    file written there would turn ``torch.compile`` on when it is loaded
+    on PyTorch. Keras 2 configs do not hold the choice (the models
+    compiled from them here pass ``"auto"``), and Keras cannot tell a
+    given model's resolved value from the same value chosen: each
+    backend makes its own choice where the file is loaded, and only a
+    value ``"auto"`` would not give is kept."""
     from keras_ema_opt.compat import losses
 
     holder = getattr(model, "_compile_config", None)
@@ -238,8 +245,8 @@ def _load_model(path, custom_objects, safe_mode, model):
                 "`include_optimizer=False`): the Keras 3 model is not "
                 "compiled.", stacklevel=3)
             return model, record, mapping, placed
-        _compile(model, optimizer,
-                 convert.compile_arguments(record, custom_objects))
+        model.compile(optimizer=optimizer,
+                      **convert.compile_arguments(record, custom_objects))
     if record.optimizer is None:
         inner = getattr(model.optimizer, "inner_optimizer", model.optimizer)
         warnings.warn(
@@ -303,22 +310,9 @@ def _load_keras_zip(record, custom_objects, safe_mode, model):
     config = (record.training_config or {}).get("optimizer")
     optimizer = (configs.from_legacy_config(config, custom_objects)
                  if config else "rmsprop")
-    _compile(model, optimizer,
-             convert.compile_arguments(record, custom_objects))
+    model.compile(optimizer=optimizer,
+                  **convert.compile_arguments(record, custom_objects))
     return model
-
-
-def _compile(model, optimizer, arguments):
-    """``model.compile`` with ``jit_compile="auto"`` kept as such in its
-    compile config.
-
-    Keras stores the value ``"auto"`` resolves to on the backend at hand
-    (True on JAX), and a file written there would turn ``torch.compile`` on
-    when it is loaded on PyTorch. Keras 2 configs do not hold the choice, so
-    each backend makes its own, where the file is loaded.
-    """
-    model.compile(optimizer=optimizer, **arguments)
-    model._compile_config.config["jit_compile"] = "auto"
 
 
 def restore_checkpoint(model, path, optimizer=None):
@@ -556,44 +550,15 @@ def _verify_source(record, mapping, placed, migrated, reloaded):
 def _verify_loss(src, dst, migrated, reloaded):
     """The reloaded model's loss computes what the migrated model's does:
     the same functions, with the same arguments and reductions."""
-    want = _loss_form(getattr(migrated, "loss", None))
-    got = _loss_form(getattr(reloaded, "loss", None))
+    from keras_ema_opt.compat.losses import loss_form
+
+    want = loss_form(getattr(migrated, "loss", None))
+    got = loss_form(getattr(reloaded, "loss", None))
     if want != got:
         raise LegacyStateError(
             f"{src} -> {dst}: the loss differs after writing and reloading "
             f"the .keras file: {want} migrated, {got} reloaded. No file was "
             "written.")
-
-
-def _loss_form(loss):
-    """What a compiled loss computes, comparable across a save: for each
-    loss object its function's (or class's) name, arguments and
-    reduction, in the structure ``compile`` took."""
-    import keras
-
-    if isinstance(loss, dict):
-        return {k: _loss_form(v) for k, v in loss.items()}
-    if isinstance(loss, (list, tuple)):
-        return [_loss_form(v) for v in loss]
-    if isinstance(loss, keras.losses.Loss):
-        fn = getattr(loss, "fn", None)
-        if fn is not None:
-            arguments = {k: _plain(v) for k, v in loss._fn_kwargs.items()}
-            return (getattr(fn, "__name__", repr(fn)), arguments,
-                    loss.reduction)
-        config = {k: _plain(v) for k, v in loss.get_config().items()
-                  if k != "name"}
-        return (type(loss).__name__, config, loss.reduction)
-    return getattr(loss, "__name__", loss)
-
-
-def _plain(value):
-    """An argument's value as JSON gives it back: ``np.float32(0.5)`` and
-    ``0.5``, ``(1, 2)`` and ``[1, 2]`` are the same argument."""
-    try:
-        return np.asarray(value).tolist()
-    except (TypeError, ValueError):
-        return repr(value)
 
 
 def _dtype(tensor):
