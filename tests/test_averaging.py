@@ -545,6 +545,49 @@ def test_low_precision_averages_in_their_own_dtype_move(dtype, momentum):
     np.testing.assert_allclose(average, expected, rtol=2 ** -6)
     assert np.all(average > 0)
 
+
+@pytest.mark.parametrize("xla", [False, True])
+@pytest.mark.parametrize("optimizer", ["SGD", "Adam"])
+@pytest.mark.parametrize("dtype,momentum", [
+    ("bfloat16", 0.9), ("bfloat16", 0.999), ("float16", 0.9),
+    ("float16", 0.99)])
+def test_low_precision_averages_mix_with_the_float32_weight(
+        dtype, momentum, optimizer, xla):
+    # An average held in its weight's bfloat16 / float16 is mixed in
+    # float32 with the float32 `1 - d` and rounded once, on every path:
+    # PyTorch's `_foreach_lerp_` (the engine's update and the fused Adam
+    # step's) took the weight rounded to the average's dtype (0.1 in
+    # bfloat16 is 0.10009765625, 0.01 in float16 0.0099945), and so did
+    # TensorFlow's eager kernel, which computed in the dtype throughout.
+    if xla and BACKEND != "tensorflow":
+        pytest.skip("JAX compiles every step; PyTorch has no XLA step")
+    import ml_dtypes
+
+    storage = np.dtype(ml_dtypes.bfloat16 if dtype == "bfloat16" else dtype)
+    rng = np.random.default_rng(0)
+    x = rng.uniform(-1000, 1000, 2048).astype(storage).astype("float32")
+    w = keras.Variable(np.zeros(2048, "float32"), dtype=dtype)
+    opt = getattr(keras_ema_opt, optimizer)(
+        0.1, averaging=keras_ema_opt.EMA(momentum))
+    opt.build([w])  # the average starts as a copy: zeros
+    w.assign(keras.ops.cast(x, dtype))
+    zero = keras.ops.zeros((2048,), dtype)  # the step leaves `w` at x
+
+    def step():
+        opt.apply_gradients([(zero, w)])
+    if xla:
+        import tensorflow as tf
+
+        step = tf.function(step, jit_compile=True)
+    step()
+    np.testing.assert_array_equal(to_numpy(w).astype("float32"), x)
+    weight = np.float32(1) - np.float32(momentum)  # 1 - d in float32
+    expected = (weight * x).astype(storage).astype("float32")
+    average = to_numpy(opt.average_of(w)).astype("float32")
+    rounded = (np.float32(weight.astype(storage)) * x).astype(storage)
+    assert np.any(rounded.astype("float32") != expected)  # tells them apart
+    np.testing.assert_array_equal(average, expected)
+
 def test_average_of_returns_an_array_of_its_own():
     w = keras.Variable(np.ones(3, "float32"))
     opt = keras_ema_opt.SGD(0.1, use_ema=True, ema_momentum=0.5)

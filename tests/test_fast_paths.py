@@ -106,11 +106,28 @@ def test_torch_fused_adam_reads_nothing_back_to_the_host(
     CUDA, reading it or the learning rate back to the host would wait for
     the device's queued work at every step. No tensor is read back during
     a step (on the CPU here, by the same code: the gates of a strategy's
-    steps are not read either, as on CUDA), and the result is Keras'
-    Adam's to round-off."""
+    steps are not read either, as on CUDA), but for the one read torch
+    makes itself: ``_foreach_lerp_`` takes its weight as a number and
+    reads a tensor weight in C++ (``aten._local_scalar_dense``, counted
+    below), once a call; and the result is Keras' Adam's to round-off."""
     import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
 
     from keras_ema_opt.backend import torch as torch_backend
+
+    class Reads(TorchDispatchMode):
+        """Counts the reads to the host at the dispatcher (Python's
+        ``Tensor.item`` and torch's own in C++ alike) and the lerps."""
+
+        def __init__(self):
+            super().__init__()
+            self.reads = self.lerps = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            name = str(func)
+            self.reads += name.startswith("aten._local_scalar_dense")
+            self.lerps += name.startswith("aten._foreach_lerp_")
+            return func(*args, **(kwargs or {}))
 
     monkeypatch.setattr(torch_backend, "_weight_readable", lambda w: False)
 
@@ -127,14 +144,18 @@ def test_torch_fused_adam_reads_nothing_back_to_the_host(
     def refuse(*args, **kwargs):
         raise AssertionError("a tensor was read back to the host in a step")
 
+    counted = Reads()
     for step in grads:
         grad_tensors = [keras.ops.convert_to_tensor(g) for g in step]
         with monkeypatch.context() as guard:
             for name in ("item", "tolist", "numpy", "__float__", "__int__",
                          "__bool__"):
                 guard.setattr(torch.Tensor, name, refuse)
-            ours.apply_gradients(zip(grad_tensors, variables))
+            with counted:
+                ours.apply_gradients(zip(grad_tensors, variables))
     assert calls.count == 2 * len(grads)
+    assert counted.reads == counted.lerps
+    assert (counted.lerps > 0) == (averaging is not None)
     theirs, _ = _train(optimizer(keras.optimizers.Adam), weights, grads)
     for a, b in zip(variables, theirs):
         np.testing.assert_allclose(to_numpy(a), to_numpy(b), rtol=1e-6,

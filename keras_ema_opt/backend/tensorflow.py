@@ -40,7 +40,10 @@ def lerp_averages(pairs, weight, gated=False):
     costs seven passes over each average in a graph step. Not under a
     ``tf.distribute`` strategy (its mirrored variables are updated by the
     engine, also when a step on its variables runs outside its scope),
-    nor across dtypes."""
+    nor across dtypes, nor for bfloat16 and float16 averages: the kernel
+    computes in the variable's dtype, with the weight and ``a - x``
+    rounded to it, where the engine mixes them in float32 and rounds
+    once (as the JAX step and torch's ``lerp``)."""
     if tf.distribute.has_strategy() or any(
             isinstance(_tf_variable(slot), tf.distribute.DistributedValues)
             for slot, _ in pairs):
@@ -50,7 +53,8 @@ def lerp_averages(pairs, weight, gated=False):
     rest, fused = [], []
     for slot, var in pairs:
         a, x = _tf_variable(slot), _tf_variable(var)
-        if a.dtype != x.dtype or not a.dtype.is_floating:
+        if a.dtype != x.dtype or not a.dtype.is_floating or (
+                a.dtype.size < 4):
             rest.append((slot, var))
         else:
             fused.append((a, x))

@@ -156,9 +156,8 @@ class _FusedAdamStep:
             if weights is not None:
                 for averages, weight in zip(group.averages, weights):
                     if averages:
-                        _lerp(averages, group.averaged_params,
-                              weight.to(device=group.device,
-                                        dtype=group.dtype), gated)
+                        _lerp(averages, group.averaged_params, weight,
+                              gated)
         if weights is not None:
             averager.folded(plan.averaged)
 
@@ -752,23 +751,26 @@ def is_chief():
 def lerp_averages(pairs, weight, gated=False):
     """``a <- a + weight (x - a)`` as one ``torch._foreach_lerp_`` per
     device and dtype (one pass, no temporary; as torch's ``AveragedModel``
-    and timm do), with ``weight`` a 0-dim tensor (no host sync). torch's
-    lerp is exact at the ends for finite values: weight 1 copies, 0
-    keeps. Where the weight may be exactly 0 or 1 (``gated``: SWA's steps
-    between samples, a ``start_step``), a weight on the CPU is read: 0
-    keeps the averages whatever the variables hold (a NaN too, as the
-    engine's rule and the JAX and TensorFlow kernels do) without a pass,
-    and 1 copies them. On another device the weight is not read (that
-    would wait for the device), and 0 times a NaN reaches the average.
-    Pairs whose average has another dtype than its variable
-    (``average_dtype``) are returned, for the engine's own update."""
+    and timm do), with ``weight`` a 0-dim tensor (see ``_lerp`` for how
+    torch reads it). torch's lerp is exact at the ends for finite values:
+    weight 1 copies, 0 keeps. Where the weight may be exactly 0 or 1
+    (``gated``: SWA's steps between samples, a ``start_step``), a weight
+    on the CPU is read: 0 keeps the averages whatever the variables hold
+    (a NaN too, as the engine's rule and the JAX and TensorFlow kernels
+    do) without a pass, and 1 copies them. Pairs whose average has
+    another dtype than its variable (``average_dtype``), and 16-bit ones
+    under ``torch.compile``, are returned, for the engine's own update."""
     groups = {}
     rest = []
     slots = _tensors([slot for slot, _ in pairs])
     values = _tensors([var for _, var in pairs])
     for (slot, var), a, x in zip(pairs, slots, values):
         if (a.dtype != x.dtype or a.device != x.device
-                or not a.is_floating_point()):
+                or not a.is_floating_point()
+                or (a.element_size() < 4 and _compiling())):
+            # Under torch.compile, 16-bit averages are mixed by the
+            # engine's rule, which the compiler fuses (the weight is not
+            # read on the host there; see `_lerp`).
             rest.append((slot, var))
             continue
         avs, xs = groups.setdefault((a.device, a.dtype), ([], []))
@@ -776,27 +778,41 @@ def lerp_averages(pairs, weight, gated=False):
         xs.append(x)
     with torch.no_grad():
         for (device, dtype), (avs, xs) in groups.items():
-            _lerp(avs, xs, weight.to(device=device, dtype=dtype), gated)
+            _lerp(avs, xs, weight, gated)
     return rest
 
 
 def _weight_readable(weight):
     """Whether reading ``weight`` on the host costs nothing: on the CPU,
     outside ``torch.compile`` (on CUDA the read would wait for the
-    device's queued work, every step)."""
+    device's queued work)."""
     return weight.device.type == "cpu" and not _compiling()
 
 
 def _lerp(averages, values, weight, gated):
-    """``torch._foreach_lerp_`` of one device and dtype; where ``gated``
-    and the weight is on the CPU, a weight of 0 keeps the averages
-    (without a pass: whatever ``values`` hold) and 1 copies them (see
-    ``lerp_averages``)."""
-    if gated and _weight_readable(weight):
-        end = float(weight)
-        if end == 0.0:
-            return  # kept, whatever the variables hold
-        if end == 1.0:
-            torch._foreach_copy_(averages, values)
-            return
-    torch._foreach_lerp_(averages, values, weight)
+    """``torch._foreach_lerp_`` of one device and dtype with the 0-dim
+    tensor ``weight`` (the strategy's ``1 - d``, in float32 or float64).
+
+    torch's ``_foreach_lerp_`` takes its weight as a number: it has no
+    overload for a tensor weight, and reads a 0-dim tensor with
+    ``.item()`` in C++ (on CUDA a wait for the device's queued work, once
+    a call; torch's own ``AveragedModel`` and timm pass a Python float).
+    It mixes bfloat16 and float16 tensors in float32 with that number,
+    so the weight is passed in its own float32: cast to the averages'
+    16-bit dtype first, 0.1 became 0.10009765625 in bfloat16 and 0.01
+    0.0099945 in float16, where the engine's rule (and the JAX and
+    TensorFlow steps) mix with the float32 weight. A weight on the CPU is
+    read here once: where ``gated``, 0 keeps the averages (without a
+    pass: whatever ``values`` hold, a NaN too) and 1 copies them. On
+    another device it is left to torch's read, and ``0 (x - a)`` of a NaN
+    is NaN."""
+    if not _weight_readable(weight):
+        torch._foreach_lerp_(averages, values, weight)
+        return
+    end = float(weight)
+    if gated and end == 0.0:
+        return  # kept, whatever the variables hold
+    if gated and end == 1.0:
+        torch._foreach_copy_(averages, values)
+        return
+    torch._foreach_lerp_(averages, values, end)
