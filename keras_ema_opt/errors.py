@@ -9,6 +9,16 @@ class InvalidArgumentError(ValueError):
     """An optimizer argument has a value outside what it accepts."""
 
 
+class InvalidArgumentTypeError(InvalidArgumentError, TypeError):
+    """An optimizer argument of a type it does not take: a string or
+    ``None`` where a number goes (``SGD(learning_rate="0.1")``,
+    ``ema_momentum="0.9"``).
+
+    Keras 2 raised ``TypeError`` here and Keras 3 ``ValueError``; this error
+    is both, and an :class:`InvalidArgumentError`.
+    """
+
+
 class UnknownArgumentError(TypeError, ValueError):
     """An optimizer was given an argument it does not know.
 

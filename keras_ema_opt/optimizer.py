@@ -30,6 +30,7 @@ from keras_ema_opt.averaging import engine
 from keras_ema_opt.averaging.strategies import EMA
 from keras_ema_opt.averaging.strategies import Averaging
 from keras_ema_opt.errors import InvalidArgumentError
+from keras_ema_opt.errors import InvalidArgumentTypeError
 from keras_ema_opt.errors import UnknownArgumentError
 from keras_ema_opt.errors import UnknownVariableError
 
@@ -155,7 +156,12 @@ def _validate_ema(use_ema, ema_momentum, ema_overwrite_frequency):
     """Keras 2's checks of the EMA arguments, made when ``use_ema`` is set."""
     if not use_ema:
         return
-    if not _is_real_number(ema_momentum) or not 0 <= ema_momentum <= 1:
+    if not _is_real_number(ema_momentum):
+        raise InvalidArgumentTypeError(
+            "`ema_momentum` must be in the range [0, 1]. "
+            f"Received: ema_momentum={ema_momentum!r}"
+        )
+    if not 0 <= ema_momentum <= 1:
         raise InvalidArgumentError(
             "`ema_momentum` must be in the range [0, 1]. "
             f"Received: ema_momentum={ema_momentum!r}"
@@ -169,6 +175,29 @@ def _validate_ema(use_ema, ema_momentum, ema_overwrite_frequency):
             "`ema_overwrite_frequency` must be an integer >= 1 or None. "
             f"Received: ema_overwrite_frequency={ema_overwrite_frequency!r}"
         )
+
+
+def _refused_by_keras(cls_name, error, arguments):
+    """Keras' own ``ValueError`` for an argument of ``arguments`` (a
+    ``momentum`` outside [0, 1], a ``learning_rate`` of no accepted kind),
+    as a typed error naming the value received: an
+    ``InvalidArgumentTypeError`` (also a ``TypeError``, as Keras 2 raised)
+    where the value is not a number, else an ``InvalidArgumentError``."""
+    message = str(error)
+    named = [name for name in re.findall(r"`(\w+)`", message)
+             if name in arguments]
+    if not named:
+        return InvalidArgumentError(f"{cls_name}: {message}")
+    name, value = named[0], arguments[named[0]]
+    # Keras' own "Received instead: learning_rate=0.1" shows a string as
+    # the number it is not: the value is named by its repr.
+    message = re.sub(r"\s*Received( instead)?:.*$", "", message,
+                     flags=re.DOTALL)
+    message = f"{message.rstrip()} Received: {name}={value!r}"
+    kind = InvalidArgumentError if _is_real_number(value) or (
+        isinstance(value, keras.optimizers.schedules.LearningRateSchedule)
+        or callable(value)) else InvalidArgumentTypeError
+    return kind(f"{cls_name}: {message}")
 
 
 def _validate_clipping(clipnorm, global_clipnorm):
@@ -569,6 +598,10 @@ class Optimizer(backend.OptimizerHooks, keras.optimizers.Optimizer):
                 arguments["learning_rate"])
         try:
             keras_init(self, **arguments)
+        except ValueError as e:
+            if isinstance(e, (InvalidArgumentError, UnknownArgumentError)):
+                raise
+            raise _refused_by_keras(cls_name, e, arguments) from e
         except TypeError as e:
             twice = re.search(r"got multiple values for keyword argument "
                               r"'(\w+)'", str(e))
@@ -1126,14 +1159,39 @@ class Optimizer(backend.OptimizerHooks, keras.optimizers.Optimizer):
     # Averages
     # ------------------------------------------------------------------
 
-    def build(self, variables):
+    def build(self, variables=None, *, var_list=None):
         """Create the optimizer state for ``variables``.
 
         With averaging (``use_ema=True`` or ``averaging=``), the averages are
         created first, where Keras 3 puts its EMA; with the default EMA they
         start as copies of the variables, as in Keras 2 (Keras 3 starts from
         zeros and skips the first step).
+
+        Args:
+            variables: The variables to optimize (Keras 3's name).
+            var_list: The same, by Keras 2's name: ``build(var_list=...)``,
+                and a Keras 2 subclass's ``super().build(var_list=...)``.
+
+        Example:
+
+        ```python
+        import keras
+        import keras_ema_opt
+
+        w = keras.Variable([1.0, 2.0])
+        opt = keras_ema_opt.Adam(0.1)
+        opt.build(var_list=[w])  # as Keras 2's optimizers took it
+        assert len(opt.variables) == 4  # iterations, rate, m, v
+        ```
         """
+        if (variables is None) == (var_list is None):
+            raise TypeError(
+                f"{type(self).__name__}.build() takes the variables once, as "
+                "`variables` (Keras 3) or `var_list` (Keras 2). Received: "
+                + ("neither" if variables is None else
+                   "both (variables=..., var_list=...)"))
+        if variables is None:
+            variables = var_list
         if self.built:
             return
         loading = self._model_loading_from_h5()

@@ -41,6 +41,33 @@ def test_ema_momentum_outside_0_1_is_refused(momentum):
         keras_ema_opt.Adam(use_ema=True, ema_momentum=momentum)
 
 
+@pytest.mark.parametrize("make,received,keras2_type_error", [
+    (lambda m: m.SGD(learning_rate="0.1"), "learning_rate='0.1'", True),
+    (lambda m: m.SGD(use_ema=True, ema_momentum="0.9"),
+     "ema_momentum='0.9'", True),
+    (lambda m: m.SGD(momentum=1.5), "momentum=1.5", False),
+    (lambda m: m.AdamW(weight_decay=None), "weight_decay=None", False),
+    (lambda m: m.Ftrl(l1_regularization_strength=-1.0),
+     "l1_regularization_strength=-1.0", False),
+])
+def test_refused_arguments_are_typed_as_keras2_and_name_the_value(
+        make, received, keras2_type_error):
+    # Keras 3's own checks raised plain ValueErrors, some without the value
+    # (`momentum`) or showing a string as a number (`learning_rate=0.1`),
+    # and a wrong type was no TypeError, which Keras 2 raised there (an
+    # `except TypeError` of Keras 2 code caught nothing).
+    tf_keras = pytest.importorskip("tf_keras")
+    with pytest.raises(Exception) as theirs:
+        make(tf_keras.optimizers)
+    assert isinstance(theirs.value, TypeError) == keras2_type_error, (
+        theirs.value)
+    with pytest.raises(InvalidArgumentError) as ours:
+        make(keras_ema_opt)
+    assert isinstance(ours.value, type(theirs.value)), received
+    assert isinstance(ours.value, ValueError)  # Keras 3's, too
+    assert str(ours.value).endswith(f"Received: {received}")
+
+
 def test_ema_arguments_are_only_checked_with_use_ema():
     # Keras 2 validates them only when `use_ema=True`.
     opt = keras_ema_opt.SGD(ema_momentum=3.0, ema_overwrite_frequency=0)
@@ -180,6 +207,36 @@ def test_callable_learning_rate_is_read_at_every_step(jit):
                                rtol=1e-6)
 
 
+@keras.saving.register_keras_serializable(package="keo_test")
+def _registered_rate():
+    return 0.3
+
+
+def test_callable_learning_rate_survives_config_and_save(tmp_path):
+    # Keras 3 serializes a callable rate as the function; a registered one
+    # comes back from the config and from a saved model. Ours took the
+    # serialized function for a schedule (its `config` is a name, not a
+    # dict) and failed in from_config: `load_model` of our own file too.
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(size=(8, 2)), rng.normal(size=(8, 1))
+    rates = {}
+    for label, cls in (("keras", keras.optimizers.SGD),
+                       ("ours", keras_ema_opt.SGD)):
+        config = cls(learning_rate=_registered_rate).get_config()
+        again = cls.from_config(config)
+        assert again._learning_rate is _registered_rate, label
+        model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+        model.compile(optimizer=cls(learning_rate=_registered_rate),
+                      loss="mse")
+        model.fit(x, y, epochs=1, verbose=0)
+        path = str(tmp_path / f"{label}.keras")
+        model.save(path)
+        loaded = keras.saving.load_model(path).optimizer
+        rates[label] = float(to_numpy(loaded.learning_rate))
+        assert loaded._learning_rate is _registered_rate, label
+    assert rates == {"keras": pytest.approx(0.3), "ours": pytest.approx(0.3)}
+
+
 def test_iterations_assignable_before_build():
     opt = keras_ema_opt.SGD(learning_rate=0.1)
     opt.iterations = 5
@@ -286,6 +343,35 @@ def test_add_variable_from_reference_both_spellings():
     np.testing.assert_array_equal(to_numpy(keras3), np.ones((2, 2)))
     ids = {id(x) for x in opt.variables}
     assert all(id(x) in ids for x in (zeros, shaped, copy, keras3))
+
+
+def test_build_takes_keras2_var_list_keyword():
+    # tf_keras' `Optimizer.build(self, var_list)`: Keras 2 code calls it
+    # by keyword, and Keras 2 subclasses call their parent's so.
+    w, v = _var([1.0, 2.0]), _var([1.0, 2.0])
+    by_keyword, by_position = keras_ema_opt.Adam(0.1), keras_ema_opt.Adam(0.1)
+    by_keyword.build(var_list=[w])
+    by_position.build([v])
+    assert [tuple(x.shape) for x in by_keyword.variables] == [
+        tuple(x.shape) for x in by_position.variables]
+    _step(by_keyword, [w])
+    _step(by_position, [v])
+    np.testing.assert_array_equal(to_numpy(w), to_numpy(v))
+
+    class Keras2Subclass(keras_ema_opt.SGD):
+        def build(self, var_list):
+            super().build(var_list=var_list)
+            self.seen = len(var_list)
+
+    u = _var([1.0, 2.0])
+    sub = Keras2Subclass(0.5)
+    _step(sub, [u])
+    assert sub.seen == 1
+    np.testing.assert_allclose(to_numpy(u), [0.5, 1.5])
+    with pytest.raises(TypeError, match="Received: neither"):
+        keras_ema_opt.SGD().build()
+    with pytest.raises(TypeError, match="Received: both"):
+        keras_ema_opt.SGD().build([u], var_list=[u])
 
 
 def test_add_variable_from_reference_errors():

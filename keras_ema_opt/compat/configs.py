@@ -188,8 +188,12 @@ def _loss_scale(config, custom_objects):
 
 def without_unnamed(config):
     """A serialized schedule without ``"name": None`` (Keras 2's default):
-    Keras 3 takes ``name=None``, then fails at the first step."""
+    Keras 3 takes ``name=None``, then fails at the first step. Anything
+    else serialized there (a registered function, whose ``config`` is its
+    name) is returned as it is."""
     config = dict(config)
+    if not isinstance(config.get("config") or {}, dict):
+        return config
     inner = dict(config.get("config") or {})
     if inner.get("name", "") is None:
         inner.pop("name")
