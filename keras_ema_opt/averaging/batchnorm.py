@@ -54,6 +54,10 @@ def update_bn(model, x, batch_size=None, steps=None, all_processes=True):
     with the statistics of all the shares (``docs/averaging.md``); with
     ``all_processes=False`` one process measures the data it is given
     alone (on PyTorch and TensorFlow: the chief, say, before it saves).
+    Under a ``tf.distribute`` strategy with several replicas in one
+    process, a ``BatchNormalization`` without ``synchronized=True``
+    normalized each replica's share of a batch in training: give it the
+    per-replica ``batch_size`` (``docs/averaging.md``).
 
     Inside ``swap_average`` the recomputed statistics are swapped back out
     with the averages only when the averaging has
