@@ -6,6 +6,8 @@ Public names:
   optimizer contract.
 - ``SGD, Adam, AdamW, Adagrad, Adadelta, Adamax, Nadam, RMSprop, Ftrl, Lion,
   Adafactor``: Keras 3's update rules with that contract.
+- ``get``, ``serialize``, ``deserialize``: Keras 2's
+  ``tf.keras.optimizers`` module functions, giving these optimizers.
 
 Example:
 
@@ -37,6 +39,9 @@ from keras_ema_opt.optimizers import SGD
 from keras_ema_opt.optimizers import AveragedLossScaleOptimizer
 from keras_ema_opt.optimizers import averaged
 from keras_ema_opt.optimizers import contract_class
+from keras_ema_opt.optimizers import deserialize
+from keras_ema_opt.optimizers import get
+from keras_ema_opt.optimizers import serialize
 from keras_ema_opt.optimizers import Adadelta
 from keras_ema_opt.optimizers import Adafactor
 from keras_ema_opt.optimizers import Adagrad
@@ -65,6 +70,9 @@ __all__ = [
     "AveragedLossScaleOptimizer",
     "averaged",
     "contract_class",
+    "deserialize",
+    "get",
+    "serialize",
     "SGD",
     "Adadelta",
     "Adafactor",

@@ -350,3 +350,102 @@ class AveragedLossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         """The inner optimizer's ``track_non_trainable`` (see
         ``keras_ema_opt.Optimizer.track_non_trainable``)."""
         return self.inner_optimizer.track_non_trainable(model)
+
+
+# ---------------------------------------------------------------------------
+# Keras 2's module functions: tf.keras.optimizers.get / serialize /
+# deserialize, for code that used the module itself.
+# ---------------------------------------------------------------------------
+
+
+def serialize(optimizer, use_legacy_format=False):
+    """The config of ``optimizer``, as Keras 2's
+    ``tf.keras.optimizers.serialize`` gave it: Keras 3's serialization
+    (``keras.optimizers.serialize``), or with ``use_legacy_format=True``
+    Keras 2's ``{"class_name", "config"}``. :func:`deserialize` turns
+    either back into the optimizer.
+
+    Example:
+
+    ```python
+    import keras_ema_opt
+
+    config = keras_ema_opt.serialize(keras_ema_opt.SGD(0.1, momentum=0.9))
+    optimizer = keras_ema_opt.deserialize(config)  # SGD, momentum 0.9
+    ```
+    """
+    if not isinstance(optimizer, BaseOptimizer):
+        raise InvalidArgumentError(
+            "serialize() takes a Keras optimizer. Received: "
+            f"{optimizer!r} of type {type(optimizer).__name__}")
+    config = keras.optimizers.serialize(optimizer)
+    if use_legacy_format:
+        return {"class_name": config["class_name"],
+                "config": config["config"]}
+    return config
+
+
+def deserialize(config, custom_objects=None, use_legacy_format=False,
+                use_legacy_optimizer=False):
+    """An optimizer from a serialization, as Keras 2's
+    ``tf.keras.optimizers.deserialize``: :func:`serialize`'s, Keras 3's
+    (``keras.optimizers.serialize``) or any Keras 2 serialization
+    (``compat.from_legacy_config``); Keras' classes come back as
+    keras_ema_opt's. ``use_legacy_optimizer=True`` reads the config as
+    OptimizerV2's (``tf.keras.optimizers.legacy``): Adagrad, Nadam and
+    RMSprop without momentum come back as the legacy rules of
+    ``keras_ema_opt.compat``. ``use_legacy_format`` is accepted, as Keras
+    2 took it: both formats are read.
+
+    Raises:
+        LegacyConfigError: naming the class where it is unknown (pass
+            ``custom_objects``), or the config where it is malformed.
+
+    Example:
+
+    ```python
+    import keras_ema_opt
+
+    optimizer = keras_ema_opt.deserialize(
+        {"class_name": "Adam", "config": {"learning_rate": 0.01}})
+    ```
+    """
+    from keras_ema_opt.compat import from_legacy_config
+
+    del use_legacy_format  # both formats are read
+    if use_legacy_optimizer:
+        if isinstance(config, str):
+            config = {"class_name": config, "config": {}}
+        if isinstance(config, dict):
+            config = dict(config, module="keras.optimizers.legacy")
+    return from_legacy_config(config, custom_objects)
+
+
+def get(identifier, use_legacy_optimizer=False):
+    """Keras 2's ``tf.keras.optimizers.get``: an optimizer instance is
+    returned as it is; a name (``"adam"``) or a config goes through
+    :func:`deserialize`, and comes back as keras_ema_opt's optimizer.
+
+    Raises:
+        InvalidArgumentError: for anything else, naming it (a
+            ``ValueError``, as Keras 2 raised).
+        LegacyConfigError: for a name or config of no known optimizer.
+
+    Example:
+
+    ```python
+    import keras_ema_opt
+
+    optimizer = keras_ema_opt.get("adam")  # keras_ema_opt.Adam()
+    assert keras_ema_opt.get(optimizer) is optimizer
+    ```
+    """
+    if isinstance(identifier, BaseOptimizer):
+        return identifier
+    if isinstance(identifier, (str, dict)):
+        return deserialize(identifier,
+                           use_legacy_optimizer=use_legacy_optimizer)
+    raise InvalidArgumentError(
+        "Could not interpret optimizer identifier: get() takes an "
+        "optimizer, a name such as 'adam', or a config dict. Received: "
+        f"{identifier!r} of type {type(identifier).__name__}")

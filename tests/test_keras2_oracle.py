@@ -621,3 +621,68 @@ def test_ema_momentum_as_a_scalar_tensor():
         opt.finalize_variable_values([var])
         runs.append(_value(var))
     np.testing.assert_allclose(runs[0], runs[1], rtol=1e-6)
+
+
+# ---------------------------------------------------------------------------
+# The module functions: tf.keras.optimizers.get / serialize / deserialize
+# ---------------------------------------------------------------------------
+
+# The names tf_keras' `get` knows (its Lion and Adafactor classes are not
+# among them; ours knows them too: the last test below).
+_GET_NAMES = ["adam", "sgd", "rmsprop", "adagrad", "adamw", "nadam", "ftrl",
+              "adamax", "adadelta"]
+
+
+@pytest.mark.parametrize("name", _GET_NAMES)
+def test_module_get_gives_ours_of_tf_keras_class(name):
+    theirs = tf_keras.optimizers.get(name)
+    ours = keras_ema_opt.get(name)
+    assert type(ours) is getattr(keras_ema_opt, type(theirs).__name__)
+    assert keras_ema_opt.get(ours) is ours
+    # OptimizerV2 (`tf.keras.optimizers.legacy`, which has no AdamW): the
+    # rules Keras 3 changed come back as compat's legacy classes, the
+    # others as ours.
+    if name == "adamw":
+        return
+    legacy = type(tf_keras.optimizers.get(
+        name, use_legacy_optimizer=True)).__name__
+    ours_legacy = type(keras_ema_opt.get(name, use_legacy_optimizer=True))
+    if name in ("adagrad", "nadam", "rmsprop"):
+        assert ours_legacy is getattr(keras_ema_opt.compat, "Legacy" + legacy)
+    else:
+        assert ours_legacy is getattr(keras_ema_opt, legacy)
+
+
+def test_module_serialize_deserialize_read_tf_keras_and_round_trip():
+    theirs = tf_keras.optimizers.SGD(learning_rate=0.1, momentum=0.9,
+                                     nesterov=True)
+    for config in (tf_keras.optimizers.serialize(theirs),
+                   tf_keras.optimizers.serialize(
+                       theirs, use_legacy_format=True)):
+        ours = keras_ema_opt.deserialize(config)
+        assert type(ours) is keras_ema_opt.SGD
+        assert (float(to_numpy(ours.learning_rate)), ours.momentum,
+                ours.nesterov) == (pytest.approx(0.1), 0.9, True)
+    original = keras_ema_opt.Adam(0.01, averaging=keras_ema_opt.SWA(
+        start_step=3))
+    for legacy_format in (False, True):
+        config = keras_ema_opt.serialize(original,
+                                         use_legacy_format=legacy_format)
+        assert set(config) >= {"class_name", "config"}
+        again = keras_ema_opt.deserialize(config)
+        assert type(again) is keras_ema_opt.Adam
+        assert again.get_config() == original.get_config()
+
+
+def test_module_get_refuses_what_keras2_refused():
+    for module in (tf_keras.optimizers, keras_ema_opt):
+        with pytest.raises(ValueError, match="Could not interpret "
+                           "optimizer identifier"):
+            module.get(123)
+    with pytest.raises(InvalidArgumentError, match="Received: 123 of type "
+                       "int"):
+        keras_ema_opt.get(123)
+    with pytest.raises(InvalidArgumentError, match="Received: 'adam'"):
+        keras_ema_opt.serialize("adam")
+    assert type(keras_ema_opt.get("lion")) is keras_ema_opt.Lion
+    assert type(keras_ema_opt.get("adafactor")) is keras_ema_opt.Adafactor
