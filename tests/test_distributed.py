@@ -475,6 +475,11 @@ def test_jax_distribution_update_bn_measures_global_batches(jax_runs, mode,
         for result in results:
             assert "call update_bn on every process" in result[
                 "update_bn_alone_refused"]
+        # As many batches on each: two against one is refused on both.
+        assert "this process has more than 1 batches, and another " \
+            "process had 1" in results[0]["update_bn_unequal_refused"]
+        assert "this process had 1 batches, and another process has " \
+            "more" in results[1]["update_bn_unequal_refused"]
 
 
 @only_on("jax")

@@ -50,8 +50,10 @@ def update_bn(model, x, batch_size=None, steps=None, all_processes=True):
 
     In a multi-process run (``torch.distributed``, JAX processes, a
     ``MultiWorkerMirroredStrategy``) every process calls it on its own
-    share of the data, with as many batches as the others, and each ends
-    with the statistics of all the shares (``docs/averaging.md``); with
+    share of the data (under a JAX distribution, with as many batches as
+    the others: one that has more is an ``InvalidArgumentError`` on
+    every process), and each ends with the statistics of all the shares
+    (``docs/averaging.md``); with
     ``all_processes=False`` one process measures the data it is given
     alone (on PyTorch and TensorFlow: the chief, say, before it saves).
     Under a ``tf.distribute`` strategy with several replicas in one
@@ -286,7 +288,11 @@ def _measure(model, layers, calls, x, batch_size, steps, all_processes):
     sums = [np.zeros(v.shape, "float64") for v in moments]
     seen = 0
     forward = backend.training_forward(model, calls.start_pass)
-    for inputs in _batches(x, batch_size, steps):
+    # Under a JAX distribution over several processes each batch is a
+    # step of every process together: they agree, batch by batch, that
+    # each has one, or a process left with more would wait for ever.
+    lockstep = all_processes and backend.forward_spans_processes()
+    for inputs in _in_lockstep(_batches(x, batch_size, steps), lockstep):
         count = forward(inputs)  # on JAX, the global batch's
         calls.note_first_pass()
         for total, variable in zip(sums, moments):
@@ -311,6 +317,37 @@ def _measure(model, layers, calls, x, batch_size, steps, all_processes):
             layer.moving_stddev.assign(keras.ops.sqrt(
                 keras.ops.add(layer.moving_variance, layer.epsilon)))
     return seen
+
+
+def _in_lockstep(batches, lockstep):
+    """``batches``; with ``lockstep``, checked before each (one all-gather
+    of a flag) to come to an end on every process at once, else an
+    ``InvalidArgumentError`` on every process."""
+    if not lockstep:
+        yield from batches
+        return
+    batches = iter(batches)
+    end = object()
+    n = 0
+    while True:
+        inputs = next(batches, end)
+        ended = inputs is end
+        if backend.any_process(ended):
+            # Every process is here, at its batch n + 1, and each asks
+            # (the same collective on every one) whether all are done.
+            if backend.any_process(not ended):
+                raise InvalidArgumentError(
+                    "update_bn: under a JAX distribution over several "
+                    "processes every process must pass as many batches "
+                    "(each batch is a step of them all, one global batch). "
+                    "Received: " + (
+                        f"this process has more than {n} batches, and "
+                        f"another process had {n}" if not ended else
+                        f"this process had {n} batches, and another "
+                        "process has more") + ".")
+            return
+        n += 1
+        yield inputs
 
 
 def _sum_over_processes(sums, seen):

@@ -161,6 +161,13 @@ def main():
             common.bn_update(index, 2, all_processes=False)
         except keras_ema_opt.errors.InvalidArgumentError as e:
             result["update_bn_alone_refused"] = str(e)
+        # Two batches on process 0, one on process 1: both refuse it (it
+        # waited for ever), and the run goes on in step (its later
+        # collectives would hang otherwise).
+        try:
+            common.bn_update(index, 2, steps=2 - index)
+        except keras_ema_opt.errors.InvalidArgumentError as e:
+            result["update_bn_unequal_refused"] = str(e)
     accumulated = common.make_model(seed=20, accumulate=2)
     fit(accumulated, range(common.STEPS))
     result["accumulated"] = common.state(accumulated)
