@@ -156,13 +156,10 @@ def _validate_ema(use_ema, ema_momentum, ema_overwrite_frequency):
     """Keras 2's checks of the EMA arguments, made when ``use_ema`` is set."""
     if not use_ema:
         return
-    if not _is_real_number(ema_momentum):
-        raise InvalidArgumentTypeError(
-            "`ema_momentum` must be in the range [0, 1]. "
-            f"Received: ema_momentum={ema_momentum!r}"
-        )
-    if not 0 <= ema_momentum <= 1:
-        raise InvalidArgumentError(
+    number = _is_real_number(ema_momentum)
+    if not number or not 0 <= ema_momentum <= 1:
+        # A value of another type is also Keras 2's TypeError.
+        raise (InvalidArgumentError if number else InvalidArgumentTypeError)(
             "`ema_momentum` must be in the range [0, 1]. "
             f"Received: ema_momentum={ema_momentum!r}"
         )

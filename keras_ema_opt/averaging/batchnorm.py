@@ -291,8 +291,10 @@ def _measure(model, layers, calls, x, batch_size, steps, all_processes):
     # Under a JAX distribution over several processes each batch is a
     # step of every process together: they agree, batch by batch, that
     # each has one, or a process left with more would wait for ever.
-    lockstep = all_processes and backend.forward_spans_processes()
-    for inputs in _in_lockstep(_batches(x, batch_size, steps), lockstep):
+    batches = _batches(x, batch_size, steps)
+    if all_processes and backend.forward_spans_processes():
+        batches = _in_lockstep(batches)
+    for inputs in batches:
         count = forward(inputs)  # on JAX, the global batch's
         calls.note_first_pass()
         for total, variable in zip(sums, moments):
@@ -319,13 +321,10 @@ def _measure(model, layers, calls, x, batch_size, steps, all_processes):
     return seen
 
 
-def _in_lockstep(batches, lockstep):
-    """``batches``; with ``lockstep``, checked before each (one all-gather
-    of a flag) to come to an end on every process at once, else an
-    ``InvalidArgumentError`` on every process."""
-    if not lockstep:
-        yield from batches
-        return
+def _in_lockstep(batches):
+    """``batches``, checked before each (one all-gather of a flag) to come
+    to an end on every process at once, else an ``InvalidArgumentError``
+    on every process."""
     batches = iter(batches)
     end = object()
     n = 0
