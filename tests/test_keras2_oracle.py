@@ -12,6 +12,7 @@ from conftest import to_numpy
 
 import keras_ema_opt
 from keras_ema_opt.errors import InvalidArgumentError
+from keras_ema_opt.errors import LegacyConfigError
 
 tf_keras = pytest.importorskip("tf_keras")
 tf = pytest.importorskip("tensorflow")
@@ -643,6 +644,9 @@ def test_module_get_gives_ours_of_tf_keras_class(name):
     # rules Keras 3 changed come back as compat's legacy classes, the
     # others as ours.
     if name == "adamw":
+        for module in (tf_keras.optimizers, keras_ema_opt):
+            with pytest.raises(ValueError, match="Unknown optimizer"):
+                module.get(name, use_legacy_optimizer=True)
         return
     legacy = type(tf_keras.optimizers.get(
         name, use_legacy_optimizer=True)).__name__
@@ -651,6 +655,45 @@ def test_module_get_gives_ours_of_tf_keras_class(name):
         assert ours_legacy is getattr(keras_ema_opt.compat, "Legacy" + legacy)
     else:
         assert ours_legacy is getattr(keras_ema_opt, legacy)
+
+
+@pytest.mark.parametrize("name", ["experimentaladam", "ExperimentalSGD",
+                                  "experimentaladagrad",
+                                  "experimentaladadelta"])
+@pytest.mark.parametrize("legacy", [False, True])
+def test_module_get_takes_keras2_experimental_aliases(name, legacy):
+    # Keras 2 gave the experimental class for these, OptimizerV2 or not
+    # (its Adagrad: not the OptimizerV2 rule of compat.LegacyAdagrad).
+    theirs = tf_keras.optimizers.get(name, use_legacy_optimizer=legacy)
+    assert "legacy" not in type(theirs).__module__
+    ours = keras_ema_opt.get(name, use_legacy_optimizer=legacy)
+    assert type(ours) is getattr(keras_ema_opt, type(theirs).__name__)
+
+
+def test_module_refuses_what_optimizer_v2_lacked_and_a_bare_wrapper():
+    for name in ("lion", "Adafactor", {"class_name": "AdamW", "config": {}}):
+        with pytest.raises(LegacyConfigError, match="Unknown optimizer "
+                           "'(lion|Adafactor|AdamW)' with use_legacy_"
+                           "optimizer=True.*Accepted: SGD, Adam"):
+            keras_ema_opt.deserialize(name, use_legacy_optimizer=True)
+    # A user's class of such a name is theirs to give.
+    ours = keras_ema_opt.deserialize(
+        "Lion", custom_objects={"Lion": keras_ema_opt.SGD},
+        use_legacy_optimizer=True)
+    assert type(ours) is keras_ema_opt.SGD
+    # The loss-scale wrapper needs the optimizer it wraps (Keras 2 raised a
+    # bare KeyError), in any case of its name.
+    with pytest.raises(LegacyConfigError, match="pass its config"):
+        keras_ema_opt.get("lossscaleoptimizer")
+    with pytest.raises(LegacyConfigError, match="'inner_optimizer'. "
+                       "Received the config keys \\['dynamic'\\]"):
+        keras_ema_opt.deserialize({"class_name": "lossscaleoptimizer",
+                                   "config": {"dynamic": True}})
+    wrapped = keras_ema_opt.deserialize(
+        {"class_name": "lossscaleoptimizer",
+         "config": {"inner_optimizer": "adam", "dynamic": True}})
+    assert isinstance(wrapped, keras.optimizers.LossScaleOptimizer)
+    assert type(wrapped.inner_optimizer) is keras_ema_opt.Adam
 
 
 def test_module_serialize_deserialize_read_tf_keras_and_round_trip():

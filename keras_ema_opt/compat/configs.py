@@ -43,6 +43,18 @@ LEGACY_RULES = {
 LOSS_SCALE_NAMES = ("LossScaleOptimizer", "LossScaleOptimizerV3",
                     "LossScaleOptimizerV1")
 
+# Identifiers Keras 2's `get` and `deserialize` took for the experimental
+# (not OptimizerV2) classes, with `use_legacy_optimizer=True` too.
+EXPERIMENTAL_ALIASES = {"experimentaladadelta": "Adadelta",
+                        "experimentaladagrad": "Adagrad",
+                        "experimentaladam": "Adam",
+                        "experimentalsgd": "SGD"}
+
+# The classes of OptimizerV2 (`tf.keras.optimizers.legacy`): Keras 2 had
+# no AdamW, Lion or Adafactor there.
+OPTIMIZER_V2_NAMES = ("SGD", "Adam", "Adagrad", "Adadelta", "Adamax",
+                      "Nadam", "RMSprop", "Ftrl")
+
 
 def from_legacy_config(config, custom_objects=None):
     """A keras_ema_opt optimizer from a Keras 2 optimizer config.
@@ -75,6 +87,11 @@ def from_legacy_config(config, custom_objects=None):
     ```
     """
     if isinstance(config, str):
+        if config.lower() in _LOSS_SCALE_LOWER:
+            raise LegacyConfigError(
+                f"{config!r} wraps another optimizer: pass its config, "
+                "{'class_name': 'LossScaleOptimizer', 'config': "
+                "{'inner_optimizer': ...}}, not its name alone.")
         return _class_for(config, {}, False, custom_objects)()
     if not isinstance(config, dict) or "class_name" not in config:
         raise LegacyConfigError(
@@ -85,7 +102,7 @@ def from_legacy_config(config, custom_objects=None):
     module = str(config.get("module") or "")
     inner = _plain(dict(config.get("config") or {}))
     base = class_name.split(">")[-1].split(".")[-1]
-    if base in LOSS_SCALE_NAMES:
+    if base.lower() in _LOSS_SCALE_LOWER:
         return _loss_scale(inner, custom_objects)
     v2 = _is_optimizer_v2(class_name, module, inner)
     inner.pop("is_legacy_optimizer", None)
@@ -155,10 +172,15 @@ def _is_optimizer_v2(class_name, module, config):
     return "decay" in config
 
 
+_LOSS_SCALE_LOWER = {n.lower() for n in LOSS_SCALE_NAMES}
+
+
 def _class_for(class_name, config, v2, custom_objects):
     base = class_name.split(">")[-1].split(".")[-1]
     if custom_objects and base in custom_objects:
         return custom_objects[base]
+    if base.lower() in EXPERIMENTAL_ALIASES:
+        return getattr(keras_ema_opt, EXPERIMENTAL_ALIASES[base.lower()])
     name = CLASS_NAMES.get(base.lower())
     if name is None:
         raise LegacyConfigError(
@@ -174,6 +196,11 @@ def _class_for(class_name, config, v2, custom_objects):
 
 
 def _loss_scale(config, custom_objects):
+    if "inner_optimizer" not in config:
+        raise LegacyConfigError(
+            "A Keras 2 LossScaleOptimizer config holds the optimizer it "
+            "wraps under 'inner_optimizer'. Received the config keys "
+            f"{sorted(config)}.")
     inner = from_legacy_config(config["inner_optimizer"], custom_objects)
     scale = float(config.get("initial_scale", 2.0**15))
     if not config.get("dynamic", True):
