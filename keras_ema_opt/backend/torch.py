@@ -754,8 +754,8 @@ def lerp_averages(pairs, weight, gated=False):
     and timm do), with ``weight`` a 0-dim tensor (see ``_lerp`` for how
     torch reads it). torch's lerp is exact at the ends for finite values:
     weight 1 copies, 0 keeps. Where the weight may be exactly 0 or 1
-    (``gated``: SWA's steps between samples, a ``start_step``), a weight
-    on the CPU is read: 0 keeps the averages whatever the variables hold
+    (``gated``: SWA's steps between samples, a ``start_step``), the
+    weight read once: 0 keeps the averages whatever the variables hold
     (a NaN too, as the engine's rule and the JAX and TensorFlow kernels
     do) without a pass, and 1 copies them. Pairs whose average has
     another dtype than its variable (``average_dtype``), and 16-bit ones
@@ -782,13 +782,6 @@ def lerp_averages(pairs, weight, gated=False):
     return rest
 
 
-def _weight_readable(weight):
-    """Whether reading ``weight`` on the host costs nothing: on the CPU,
-    outside ``torch.compile`` (on CUDA the read would wait for the
-    device's queued work)."""
-    return weight.device.type == "cpu" and not _compiling()
-
-
 def _lerp(averages, values, weight, gated):
     """``torch._foreach_lerp_`` of one device and dtype with the 0-dim
     tensor ``weight`` (the strategy's ``1 - d``, in float32 or float64).
@@ -801,12 +794,13 @@ def _lerp(averages, values, weight, gated):
     so the weight is passed in its own float32: cast to the averages'
     16-bit dtype first, 0.1 became 0.10009765625 in bfloat16 and 0.01
     0.0099945 in float16, where the engine's rule (and the JAX and
-    TensorFlow steps) mix with the float32 weight. A weight on the CPU is
-    read here once: where ``gated``, 0 keeps the averages (without a
-    pass: whatever ``values`` hold, a NaN too) and 1 copies them. On
-    another device it is left to torch's read, and ``0 (x - a)`` of a NaN
-    is NaN."""
-    if not _weight_readable(weight):
+    TensorFlow steps) mix with the float32 weight. The weight is read
+    here once, in torch's place (on any device: the same one read torch
+    would make), so that where ``gated`` 0 keeps the averages (without a
+    pass: whatever ``values`` hold, a NaN too) and 1 copies them. Under
+    ``torch.compile`` nothing is read on the host: the compiler takes the
+    tensor."""
+    if _compiling():
         torch._foreach_lerp_(averages, values, weight)
         return
     end = float(weight)
