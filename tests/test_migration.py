@@ -495,6 +495,18 @@ def _stale_state(folder, tmp):
     return str(stale)
 
 
+def _unnamed_latest(folder, tmp):
+    # Two checkpoints and no `checkpoint` state file naming the latest.
+    loose = tmp / "loose"
+    loose.mkdir()
+    for name in ("ckpt-1", "ckpt-2"):
+        for part in os.listdir(os.path.join(folder, "ckpt")):
+            if part.startswith("ckpt."):
+                shutil.copy(os.path.join(folder, "ckpt", part),
+                            loose / part.replace("ckpt", name, 1))
+    return str(loose)
+
+
 def _add_lambda(config):
     config["config"]["layers"].append({
         "class_name": "Lambda",
@@ -539,6 +551,10 @@ def _bad_table():
             r"stale/checkpoint names the checkpoint 'ckpt-2' as the latest, "
             r"but .*stale/ckpt-2\.index does not exist .*Checkpoints in the "
             r"folder: \['ckpt'\]"),
+        "checkpoints with no state naming the latest": (
+            _unnamed_latest, fmt,
+            r"loose holds 2 checkpoints, \['ckpt-1', 'ckpt-2'\], and no "
+            r"`checkpoint` file naming the latest"),
         ".keras weights that do not fit": (
             _zip_misfit, state, r"shape mismatch for layers/dense/vars/0"),
         "custom class not given": (lambda f, t: os.path.join(

@@ -180,6 +180,27 @@ def test_loss_scale_is_kept_from_a_savedmodel_and_named_when_lost(
     try:
         model = _migrated(folder, "savedmodel", tmp_path)
         assert float(to_numpy(model.optimizer.dynamic_scale)) == scale
+        # Resumed through tf_keras' next steps: one applied, one skipped
+        # (overflowing again), one applied. Keras 2's wrapper counted the
+        # skipped step in `iterations`, and so does the migrated one
+        # (compat.LegacyLossScaleOptimizer): Keras 3's did not, and the
+        # last Adam step then read another step count.
+        assert isinstance(model.optimizer,
+                          keras_ema_opt.compat.LegacyLossScaleOptimizer)
+        expected = _expected(folder)
+        more = expected["more"]
+        model.train_on_batch(np.asarray(expected["x"], "float32"),
+                             np.asarray(expected["y"], "float32"))
+        for x, y in more["batches"]:
+            model.train_on_batch(np.asarray(x, "float32"),
+                                 np.asarray(y, "float32"))
+        assert int(to_numpy(model.optimizer.iterations)) == (
+            more["iterations"])
+        assert float(to_numpy(model.optimizer.dynamic_scale)) == (
+            more["loss_scale"])
+        for got, want in zip(model.weights, more["after"]):
+            np.testing.assert_allclose(to_numpy(got), want, rtol=1e-5,
+                                       atol=1e-6)
         with pytest.warns(UserWarning, match="does not store the loss scale"):
             model = keras_ema_opt.load_legacy(os.path.join(folder,
                                                            "model.h5"))

@@ -155,6 +155,28 @@ def test_given_optimizer_without_the_checkpoints_momentum_is_refused(
     assert _next_loss(model) == pytest.approx(theirs, rel=1e-6)
 
 
+def test_checkpoint_with_an_uncompiled_model_warns_of_no_loss(tmp_path):
+    # A checkpoint keeps no training config: an uncompiled model given for
+    # it was written compiled with the optimizer rebuilt from the state and
+    # no loss, without a word, and fit() then trained on a loss of 0 while
+    # the momentum buffers went on moving the weights.
+    prefix, theirs = _checkpoint(
+        tmp_path, k2.optimizers.legacy.SGD(0.05, momentum=0.9))
+    with pytest.warns(UserWarning, match="holds no loss .* compiled with "
+                      "its optimizer alone"):
+        model = savedmodel.load_legacy(prefix, model=_k3_model)
+    assert model.loss is None
+    assert int(to_numpy(model.optimizer.iterations)) == 3
+    # Given compiled with its loss (the advice), nothing is said of it,
+    # and the next step is tf_keras'.
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        model = savedmodel.load_legacy(prefix, model=lambda: _k3_model(
+            keras_ema_opt.SGD(0.05, momentum=0.9)))
+    assert not [w for w in said if "holds no loss" in str(w.message)]
+    assert _next_loss(model) == pytest.approx(theirs, rel=1e-6)
+
+
 def _schedule(module):
     return module.optimizers.schedules.ExponentialDecay(0.05, 1, 0.5)
 
@@ -490,3 +512,58 @@ def test_cli_stopped_while_writing_leaves_no_file(tmp_path, capsys,
     assert os.listdir(out) == []  # nor the temporary file
     assert [signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)
             ] == handlers  # given back
+
+
+@k2.utils.register_keras_serializable(package="keo_sched")
+class _K2Halve(k2.optimizers.schedules.LearningRateSchedule):
+    """A user's schedule, registered with tf_keras (``keo_sched>...``)."""
+
+    def __init__(self, rate):
+        self.rate = rate
+
+    def __call__(self, step):
+        return self.rate * tf.pow(0.5, tf.cast(step, tf.float32))
+
+    def get_config(self):
+        return {"rate": self.rate}
+
+
+class _Halve(keras.optimizers.schedules.LearningRateSchedule):
+    """Its Keras 3 twin, not registered: given through custom_objects."""
+
+    def __init__(self, rate):
+        self.rate = rate
+
+    def __call__(self, step):
+        return self.rate * keras.ops.power(
+            0.5, keras.ops.cast(step, "float32"))
+
+    def get_config(self):
+        return {"rate": self.rate}
+
+
+@pytest.mark.parametrize("legacy", [False, True])
+def test_custom_schedule_comes_in_through_custom_objects(tmp_path, legacy):
+    # A SavedModel stores the schedule under its registered name as the
+    # class name ({"class_name": "keo_sched>_K2Halve"}, no module): it was
+    # looked up among Keras' own schedules, and custom_objects never
+    # consulted (the .h5 of the same model migrated).
+    optimizers = k2.optimizers.legacy if legacy else k2.optimizers
+    net = _k2_model()
+    net.compile(optimizer=optimizers.Adam(_K2Halve(0.05)), loss="mse")
+    batches = _batches(3)
+    for x, y in batches[:2]:
+        net.train_on_batch(x, y)
+    folder, h5 = str(tmp_path / "sm"), str(tmp_path / "m.h5")
+    net.save(folder, save_format="tf")
+    net.save(h5)
+    theirs = float(net.train_on_batch(*batches[2]))
+    for path in (folder, h5):
+        with pytest.raises(LegacyConfigError, match="custom_objects"):
+            savedmodel.load_legacy(path)
+        for key in ("_K2Halve", "keo_sched>_K2Halve"):
+            model = savedmodel.load_legacy(path,
+                                           custom_objects={key: _Halve})
+            assert isinstance(model.optimizer._learning_rate, _Halve)
+            ours = float(to_numpy(model.train_on_batch(*batches[2])))
+            assert ours == pytest.approx(theirs, rel=1e-6)

@@ -4,6 +4,8 @@
   optimizer.
 - ``LegacyNadam``, ``LegacyAdagrad``, ``LegacyRMSprop``: the OptimizerV2
   rules that Keras 3 changed.
+- ``LegacyLossScaleOptimizer``: Keras 3's loss-scale wrapper counting its
+  skipped steps in ``iterations``, as Keras 2's did.
 - ``keras2_hard_sigmoid``: Keras 2's ``hard_sigmoid`` (Keras 3's has
   another slope), which migrated models use where theirs named it.
 - ``losses.Huber``, ``losses.CosineSimilarity``: Keras 3's losses of those
@@ -28,6 +30,7 @@ from keras_ema_opt.compat import losses
 from keras_ema_opt.compat.activations import keras2_hard_sigmoid
 from keras_ema_opt.compat.configs import from_legacy_config
 from keras_ema_opt.compat.legacy_rules import LegacyAdagrad
+from keras_ema_opt.compat.legacy_rules import LegacyLossScaleOptimizer
 from keras_ema_opt.compat.legacy_rules import LegacyNadam
 from keras_ema_opt.compat.legacy_rules import LegacyRMSprop
 from keras_ema_opt.compat.revival import register_savedmodel_revival
@@ -35,6 +38,7 @@ from keras_ema_opt.compat.revival import maybe_register as _maybe_register
 
 __all__ = [
     "LegacyAdagrad",
+    "LegacyLossScaleOptimizer",
     "LegacyNadam",
     "LegacyRMSprop",
     "from_legacy_config",

@@ -68,7 +68,9 @@ def from_legacy_config(config, custom_objects=None):
         A built-ready optimizer: ours for the Keras 2 classes, the legacy
         rule classes of ``keras_ema_opt.compat`` for OptimizerV2 Nadam,
         Adagrad and RMSprop without momentum, a
-        ``keras.optimizers.LossScaleOptimizer`` for wrapped ones.
+        ``compat.LegacyLossScaleOptimizer`` (a
+        ``keras.optimizers.LossScaleOptimizer`` counting its skipped steps,
+        as Keras 2's did) for wrapped ones.
 
     Raises:
         LegacyConfigError: naming the class when it is unknown, or the
@@ -110,7 +112,8 @@ def from_legacy_config(config, custom_objects=None):
         inner.setdefault("learning_rate", inner.pop("lr"))
         inner.pop("lr", None)
     if isinstance(inner.get("learning_rate"), dict):
-        inner["learning_rate"] = _schedule(inner["learning_rate"])
+        inner["learning_rate"] = _schedule(inner["learning_rate"],
+                                           custom_objects)
     cls = _class_for(class_name, inner, v2, custom_objects)
     try:
         return cls.from_config(inner)
@@ -207,7 +210,7 @@ def _loss_scale(config, custom_objects):
         # A fixed loss scale is Keras 3's `loss_scale_factor`.
         inner.loss_scale_factor = scale
         return inner
-    return keras.optimizers.LossScaleOptimizer(
+    return legacy_rules.LegacyLossScaleOptimizer(
         inner, initial_scale=scale,
         dynamic_growth_steps=int(config.get("dynamic_growth_steps", 2000)),
     )
@@ -228,16 +231,45 @@ def without_unnamed(config):
     return config
 
 
-def _schedule(config):
+def _schedule(config, custom_objects=None):
+    """A learning-rate schedule from its Keras 2 serialization. A user's
+    class is found in ``custom_objects`` under its registered name
+    (``"my>Halve"``, as SavedModels store it) or its class name, or among
+    the classes registered with Keras 3 under that name; Keras' own by
+    name."""
     config = without_unnamed(config)
-    config.setdefault("module", "keras.optimizers.schedules")
-    config.setdefault("registered_name", None)
+    registered = config.get("registered_name") or config.get("class_name")
+    cls = _custom_class(str(registered or ""), custom_objects)
     try:
+        if cls is not None:
+            return cls.from_config(dict(config.get("config") or {}))
+        if ">" in str(registered or ""):
+            raise LegacyConfigError(
+                f"{registered!r} is a user's class, registered with "
+                "tf_keras; pass its Keras 3 class through "
+                "custom_objects={name: class} (keras-ema-opt migrate "
+                "--custom-objects module), or register it with "
+                "keras.saving.register_keras_serializable.")
+        config.setdefault("module", "keras.optimizers.schedules")
+        config.setdefault("registered_name", None)
         return keras.optimizers.schedules.deserialize(config)
     except (TypeError, ValueError) as e:
         raise LegacyConfigError(
             f"Could not rebuild the learning-rate schedule {config!r}: {e}"
         ) from e
+
+
+def _custom_class(name, custom_objects):
+    """The class of registered name ``name`` (``"package>Class"``) or of
+    class name ``name`` from ``custom_objects``, or registered with Keras
+    3 under ``name``; None for none."""
+    base = name.split(">")[-1]
+    for key in (name, base):
+        if custom_objects and key in custom_objects:
+            return custom_objects[key]
+    if ">" in name:
+        return keras.saving.get_registered_object(name)
+    return None
 
 
 def _plain(value):

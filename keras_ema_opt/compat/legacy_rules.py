@@ -249,3 +249,50 @@ def nadam_u_product(beta_1, iterations):
     wrong under ``tf.function`` (reference legacy-formats §4.3)."""
     steps = np.arange(1, (iterations or 0) + 1, dtype=np.float64)
     return float(np.prod(beta_1 * (1 - 0.5 * 0.96 ** steps)))
+
+
+@_register
+class LegacyLossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
+    """Keras 3's ``LossScaleOptimizer`` counting its skipped steps, as
+    Keras 2's did.
+
+    A step whose gradients are not finite is skipped by both: the weights
+    and slots stay, the scale halves. Keras 2's wrapper (OptimizerV2's
+    ``LossScaleOptimizer`` and the experimental ``LossScaleOptimizerV3``)
+    still added one to the inner optimizer's ``iterations``; Keras 3's
+    does not. Adam's bias correction, schedules and averaging warm-ups
+    then read other step numbers, and a migrated mixed-precision model
+    resumed under Keras 3's wrapper drifted from Keras 2 after its next
+    skipped step (2e-2 relative after three steps of Adam). Migrated
+    loss-scale optimizers are made with this class; with
+    ``gradient_accumulation_steps`` (no Keras 2 optimizer had it) a
+    skipped step is not counted, as Keras 3 does, since one count would
+    shift the accumulation's cycle.
+
+    Example:
+
+    ```python
+    import keras
+    from keras_ema_opt.compat import LegacyLossScaleOptimizer
+
+    optimizer = LegacyLossScaleOptimizer(keras.optimizers.Adam(1e-3))
+    ```
+    """
+
+    def _counts_skipped(self):
+        return not self.inner_optimizer.gradient_accumulation_steps
+
+    def _stateful_handle_non_finite_grads(self):
+        super()._stateful_handle_non_finite_grads()
+        if self._counts_skipped():
+            self.inner_optimizer.iterations.assign_add(1)
+
+    def _stateless_handle_non_finite_grads(self, optimizer_variables,
+                                           trainable_variables):
+        trainable, values = super()._stateless_handle_non_finite_grads(
+            optimizer_variables, trainable_variables)
+        if self._counts_skipped():
+            counter = self.inner_optimizer.iterations
+            values = [ops.add(value, 1) if variable is counter else value
+                      for variable, value in zip(self.variables, values)]
+        return trainable, values

@@ -245,8 +245,18 @@ def _load_model(path, custom_objects, safe_mode, model):
                 "`include_optimizer=False`): the Keras 3 model is not "
                 "compiled.", stacklevel=3)
             return model, record, mapping, placed
-        model.compile(optimizer=optimizer,
-                      **convert.compile_arguments(record, custom_objects))
+        arguments = convert.compile_arguments(record, custom_objects)
+        if "loss" not in arguments:
+            warnings.warn(
+                f"{record.path} holds no loss (a checkpoint keeps no "
+                "training config): the Keras 3 model is compiled with its "
+                "optimizer alone, and fit() trains on the model's own "
+                "losses (add_loss) only, 0 where it has none. Pass the "
+                "model compiled with its loss (load_legacy(path, "
+                "model=build) with a build that compiles it, or "
+                "--model module:function): the state goes into its "
+                "optimizer.", stacklevel=3)
+        model.compile(optimizer=optimizer, **arguments)
     if record.optimizer is None:
         inner = getattr(model.optimizer, "inner_optimizer", model.optimizer)
         warnings.warn(

@@ -97,6 +97,13 @@ def _latest_checkpoint(directory):
         return prefix
     if len(indexes) == 1:
         return os.path.join(directory, indexes[0][: -len(".index")])
+    if indexes:
+        present = [n[: -len(".index")] for n in indexes]
+        raise LegacyFormatError(
+            f"{directory} holds {len(present)} checkpoints, {present}, and "
+            "no `checkpoint` file naming the latest: pass the prefix of "
+            f"one (e.g. {os.path.join(directory, present[-1])}) to migrate "
+            "it.", path=directory)
     return None
 
 

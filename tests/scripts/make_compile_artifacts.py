@@ -186,8 +186,25 @@ def make(out, name):
     scale = None if scale is None else float(scale)
     x, y = batches[STEPS_BEFORE.get(name, 2)]
     logs = model.train_on_batch(x, y, return_dict=True)
+    more = {}
+    if name == "mixed":
+        # Two more steps: one that overflows again (skipped: Keras 2
+        # counted it in `iterations`, Keras 3's wrapper does not), then
+        # one applied, whose Adam step reads that count.
+        rng = np.random.RandomState(3)
+        more_batches = [(rng.randn(8, 4).astype("float32"),
+                         np.full((8, 2), 3e4, "float32")),
+                        (rng.randn(8, 4).astype("float32"),
+                         rng.randn(8, 2).astype("float32"))]
+        for bx, by in more_batches:
+            model.train_on_batch(bx, by)
+        more = {"more": {
+            "batches": [[bx.tolist(), by.tolist()] for bx, by in more_batches],
+            "after": [w.numpy().tolist() for w in model.weights],
+            "iterations": int(model.optimizer.iterations.numpy()),
+            "loss_scale": float(model.optimizer.loss_scale)}}
     with open(os.path.join(folder, "expected.json"), "w") as f:
-        json.dump({"x": x.tolist(),
+        json.dump({**more, "x": x.tolist(),
                    # several outputs: a list of their targets
                    "y": [a.tolist() for a in y] if isinstance(y, list)
                    else y.tolist(), "outputs": isinstance(y, list),
