@@ -672,6 +672,10 @@ def test_strategy_errors_name_the_value():
     for kwargs, text in [(dict(inv_gamma="a"), "inv_gamma='a'"),
                          (dict(inv_gamma=None), "inv_gamma=None"),
                          (dict(power=-1.0), "power=-1.0"),
+                         # inv_gamma=inf made every decay 0: no averaging.
+                         (dict(inv_gamma=float("inf")),
+                          "finite.*inv_gamma=inf"),
+                         (dict(power=float("inf")), "power=inf"),
                          (dict(power="x"), "power='x'"),
                          (dict(momentum=0.1, min_momentum=0.5),
                           "min_momentum=0.5, momentum=0.1")]:
@@ -1416,3 +1420,92 @@ def test_swa_keeps_its_average_between_samples_whatever_the_weights(
     np.testing.assert_array_equal(averages[1], averages[0])
     assert not np.isnan(averages[1]).any()
     assert np.isnan(averages[2][1]) and not np.isnan(averages[2][0])
+
+
+@pytest.mark.parametrize("every", [1, 2])
+def test_debiased_average_starts_after_start_step(every):
+    # EMA(debias=True, start_step=s): the average copies the weights up to
+    # step s, then is the debiased average of the weights of the steps
+    # that average (a / c, a started at 0, c = 1 - d^k after k updates),
+    # whose first update is a copy. The copies had set the correction to
+    # 1, and debias then did nothing: the plain EMA from the copy of step
+    # s (3.5 for 4.0 at the first update here). Between s and the first
+    # update (every=2) it reads the weights, as a debiased average does
+    # before its first update.
+    d, start = 0.5, 3
+    var = keras.Variable(np.zeros((2,), "float32"))
+    opt = keras_ema_opt.SGD(learning_rate=1.0, averaging=keras_ema_opt.EMA(
+        d, start_step=start, every=every, debias=True))
+    a, k = 0.0, 0
+    for t in range(1, 11):
+        # The weight after step t is t.
+        opt.apply([keras.ops.full((2,), -1.0)], [var])
+        if t <= start or k == 0 and (t - start) % every:
+            want = float(t)
+        elif (t - start) % every == 0:
+            # An update every `every` steps decays by d ** every.
+            a, k = d ** every * a + (1 - d ** every) * t, k + 1
+            want = a / (1 - d ** (every * k))
+        np.testing.assert_allclose(to_numpy(opt.average_of(var)), want,
+                                   rtol=1e-6, err_msg=f"step {t}")
+
+
+def test_debiased_average_after_start_step_on_the_fused_adam_step():
+    # The same on the fast paths that fold the average into Adam's step
+    # (PyTorch's fused Adam, TensorFlow's kernel): against the float64
+    # debiased average of the weights each step left.
+    d, start = 0.9, 2
+    rng = np.random.default_rng(0)
+    var = keras.Variable(rng.standard_normal((64,)).astype("float32"))
+    opt = keras_ema_opt.Adam(learning_rate=0.1, averaging=keras_ema_opt.EMA(
+        d, start_step=start, debias=True))
+    a, k = np.zeros((64,)), 0
+    for t in range(1, 8):
+        opt.apply([keras.ops.convert_to_tensor(
+            rng.standard_normal((64,)).astype("float32"))], [var])
+        x = to_numpy(var).astype("float64")
+        if t <= start:
+            want = x
+        else:
+            a, k = d * a + (1 - d) * x, k + 1
+            want = a / (1 - d ** k)
+        np.testing.assert_allclose(to_numpy(opt.average_of(var)), want,
+                                   rtol=2e-6, atol=1e-6,
+                                   err_msg=f"step {t}")
+
+
+@pytest.mark.parametrize("make", [
+    lambda a: keras_ema_opt.Adam(0.5, averaging=a),
+    lambda a: keras_ema_opt.SGD(1.0, averaging=a),
+    lambda a: keras_ema_opt.averaged(keras.optimizers.SGD(1.0), a),
+], ids=["adam", "sgd", "averaged_keras_sgd"])
+@pytest.mark.parametrize("strategy", ["ema", "swa"])
+def test_average_is_of_the_constrained_weights(make, strategy):
+    # Keras' `apply` assigns `variable.constraint(variable)` after the
+    # update step, where the averages were taken: an average of NonNeg
+    # weights came out negative (SWA's first update copied -1 where the
+    # model held 0). The average is of the weights the model holds: the
+    # float64 average of the values read after each step.
+    rng = np.random.default_rng(0)
+    var = keras.Variable(np.abs(rng.standard_normal((32,))).astype(
+        "float32"))
+    var.constraint = keras.constraints.NonNeg()  # as `add_weight` sets it
+    plain = keras.Variable(rng.standard_normal((32,)).astype("float32"))
+    averaging = (keras_ema_opt.EMA(0.5) if strategy == "ema"
+                 else keras_ema_opt.SWA())
+    opt = make(averaging)
+    held = {0: to_numpy(var).astype("float64"),
+            1: to_numpy(plain).astype("float64")}
+    for t in range(1, 6):
+        grads = [keras.ops.convert_to_tensor(
+            (rng.standard_normal((32,)) + 1.0).astype("float32"))
+            for _ in range(2)]
+        opt.apply_gradients(zip(grads, [var, plain]))
+        for k, v in enumerate((var, plain)):
+            x = to_numpy(v).astype("float64")
+            held[k] = (0.5 * held[k] + 0.5 * x if strategy == "ema"
+                       else held[k] + (x - held[k]) / t)
+    assert to_numpy(var).min() == 0.0  # the constraint was active
+    for k, v in enumerate((var, plain)):
+        np.testing.assert_allclose(to_numpy(opt.average_of(v)), held[k],
+                                   rtol=1e-5, atol=1e-6)

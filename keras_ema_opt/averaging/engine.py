@@ -264,6 +264,15 @@ class Averager:
         i = self.index(optimizer, variable)
         return None if i is None else self.slots[i]
 
+    def fold_slots_of(self, optimizer, variable):
+        """The averages of ``variable`` that a backend's update step may
+        move itself, from the value it writes (:meth:`fold_weights`), or
+        None: not those of a variable whose constraint Keras applies after
+        the step (:meth:`update` averages the constrained value)."""
+        if _averages_constrained(optimizer, variable):
+            return None
+        return self.slots_of(optimizer, variable)
+
     def update(self, optimizer, extras_only=False, applied=None):
         """One update after the optimizer's step (traceable, no Python ifs on
         tensors). Under gradient accumulation only real steps count.
@@ -283,8 +292,13 @@ class Averager:
         if not folded or applied is not None or plan is None:
             plan = self._plan(optimizer, applied)
         average, copy, weights, debias = plan
-        targets = [target for target in self._targets(optimizer, extras_only)
-                   if id(target[1]) not in folded]
+        targets, constrained = [], []
+        for target in self._targets(optimizer, extras_only):
+            if id(target[1]) in folded:
+                continue
+            (constrained if target[0] < self.first_extra
+             and _averages_constrained(optimizer, target[1])
+             else targets).append(target)
         # Nothing left to mix when the update averaged every variable.
         for k, weight in enumerate(weights if targets else ()):
             pairs = [(slots[k], var) for _, var, slots in targets]
@@ -294,6 +308,13 @@ class Averager:
                     pairs, self._weight(weight, average, copy),
                     gated=average is not None):
                 slot.assign(self._mix(slot, var, weight, average, copy))
+        for _, var, slots in constrained:
+            # The value Keras' `apply` gives the variable right after this
+            # step (`variable.assign(variable.constraint(variable))`): the
+            # average is of the weights the model holds.
+            value = _Value(var.constraint(var.value))
+            for slot, weight in zip(slots, weights):
+                slot.assign(self._mix(slot, value, weight, average, copy))
         if extras_only:
             return
         step = ops.cast(average if average is not None else True, "int32")
@@ -399,8 +420,12 @@ class Averager:
         weight = ops.divide(weight, ops.where(keep, one, c))
         updated = ops.multiply(updated, ops.where(old, 1.0, _HELD))
         if average is not None:
-            # A copy is an unbiased start: its correction is 1 / 1.
-            updated = ops.where(copy, _HELD, ops.where(average, updated, s))
+            # Before `start_step` the average copies the weights, and the
+            # debiased average proper starts after: at 0 (no update yet,
+            # read as the weights), its first update a copy (w / c' = 1).
+            # Held at 1 here, it read as the copy of the last step before
+            # the start, the plain EMA from it, as without `debias`.
+            updated = ops.where(copy, 0.0, ops.where(average, updated, s))
         return updated, weight
 
     @staticmethod
@@ -730,3 +755,21 @@ def _warn_of_unmeasured_statistics(model, assigned):
             "would normalize with them. Run keras_ema_opt.update_bn(model, "
             "data) for statistics of the averaged weights, or average the "
             "statistics too (include_non_trainable=True).", stacklevel=3)
+
+
+class _Value:
+    """A value in the place of a variable for :meth:`Averager._mix`."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value):
+        self.value = value
+
+
+def _averages_constrained(optimizer, variable):
+    """Whether the average of ``variable`` is of its value after its
+    constraint, which Keras' ``apply`` assigns after the update step: for
+    every strategy but Keras 2's ``use_ema`` (which, as Keras 2 and 3 do,
+    averages the value the update wrote)."""
+    return getattr(variable, "constraint", None) is not None and not (
+        getattr(optimizer, "_ema_follows_momentum", False))

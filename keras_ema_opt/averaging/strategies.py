@@ -86,10 +86,11 @@ def _check_positive(name, value):
     if (
         isinstance(value, bool)
         or not isinstance(value, numbers.Real)
-        or not value > 0
+        or not 0 < value < float("inf")
     ):
         raise InvalidArgumentError(
-            f"`{name}` must be a number > 0. Received: {name}={value!r}")
+            f"`{name}` must be a finite number > 0. Received: "
+            f"{name}={value!r}")
     return float(value)
 
 

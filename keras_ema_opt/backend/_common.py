@@ -376,7 +376,7 @@ def fused_adam_plan(optimizer, grads, variables):
         optimizer.gradient_accumulation_steps)
     groups = [[] for _ in range(kernel.MAX_AVERAGES + 1)]
     for grad, var in zip(grads, variables):
-        slots = averager.slots_of(optimizer, var) if fold else None
+        slots = averager.fold_slots_of(optimizer, var) if fold else None
         if not slots or len(slots) > kernel.MAX_AVERAGES or any(
                 s.dtype != "float32" for s in slots):
             slots = ()

@@ -179,7 +179,7 @@ class _Group:
             optimizer.amsgrad) else []
         self.steps = [_no_bias_correction(self.device)] * len(members)
         self.averaged, self.averaged_params = [], []
-        slots = [averager.slots_of(optimizer, v) if averager else None
+        slots = [averager.fold_slots_of(optimizer, v) if averager else None
                  for v in members]
         count = max((len(s) for s in slots if s), default=0)
         self.averages = [[] for _ in range(count)]
