@@ -259,7 +259,14 @@ def averaged(optimizer, averaging):
         config = optimizer.get_config()
         config.pop("inner_optimizer")
         inner = averaged(optimizer.inner_optimizer, averaging)
-        return AveragedLossScaleOptimizer(inner, **config)
+        from keras_ema_opt.compat import legacy_rules
+
+        # A wrapper counting its skipped steps (migrated from Keras 2)
+        # keeps counting them.
+        cls = (legacy_rules.AveragedLegacyLossScaleOptimizer
+               if isinstance(optimizer, legacy_rules.LegacyLossScaleOptimizer)
+               else AveragedLossScaleOptimizer)
+        return cls(inner, **config)
     if isinstance(optimizer, Optimizer):
         held = optimizer.averaging
         held = None if held is None else f"averaging={held!r}"
@@ -351,6 +358,8 @@ class AveragedLossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         """The inner optimizer's ``track_non_trainable`` (see
         ``keras_ema_opt.Optimizer.track_non_trainable``)."""
         return self.inner_optimizer.track_non_trainable(model)
+
+
 
 
 # ---------------------------------------------------------------------------

@@ -130,6 +130,46 @@ def test_loss_scale_optimizer_wrapper(dynamic):
         assert ours.loss_scale_factor == 8.0
 
 
+def test_legacy_loss_scale_counts_skipped_steps_like_tf_keras(tmp_path):
+    # Keras 2's wrapper counted a step skipped for non-finite gradients in
+    # `iterations`; Keras 3's does not. Stepped beside tf_keras' on the
+    # same gradients (the second not finite), eagerly where Keras' own
+    # wrapper steps eagerly (on JAX it steps inside fit(): the migration
+    # tests resume through a skipped step there).
+    theirs = tf_keras.mixed_precision.LossScaleOptimizer(
+        tf_keras.optimizers.Adam(0.1, jit_compile=False),
+        initial_scale=4.0)
+    ours = from_legacy_config(tf_keras.optimizers.serialize(theirs))
+    assert type(ours) is keras_ema_opt.compat.LegacyLossScaleOptimizer
+    averaged = keras_ema_opt.averaged(
+        from_legacy_config(tf_keras.optimizers.serialize(theirs)),
+        keras_ema_opt.EMA(0.5))
+    # averaged() keeps the counting, and a .keras file keeps both.
+    assert isinstance(averaged, keras_ema_opt.compat.LegacyLossScaleOptimizer)
+    assert isinstance(averaged, keras_ema_opt.AveragedLossScaleOptimizer)
+    again = keras.optimizers.deserialize(keras.optimizers.serialize(
+        averaged))
+    assert type(again) is type(averaged)
+    assert again.averaging.momentum == 0.5
+    if keras.backend.backend() == "jax":
+        return
+    start = np.array([1.0, -2.0], "float32")
+    tf_var = tf.Variable(start)
+    variables = [keras.Variable(start) for _ in range(2)]
+    for grad in ([4.0, 8.0], [np.inf, 1.0], [-4.0, 2.0], [2.0, 2.0]):
+        grad = np.asarray(grad, "float32")
+        # tf_keras' apply_gradients takes the gradients unscaled (its
+        # `get_unscaled_gradients`); Keras 3's divides by the scale itself.
+        theirs.apply_gradients([(tf.constant(
+            grad / float(theirs.loss_scale)), tf_var)])
+        for opt, var in zip((ours, averaged), variables):
+            opt.apply_gradients([(keras.ops.convert_to_tensor(grad), var)])
+    for opt, var in zip((ours, averaged), variables):
+        assert int(to_numpy(opt.iterations)) == int(theirs.iterations) == 4
+        np.testing.assert_allclose(to_numpy(var), tf_var.numpy(),
+                                   rtol=1e-6)
+
+
 def test_string_identifiers_and_old_lr_key():
     assert type(from_legacy_config("adam")) is keras_ema_opt.Adam
     assert type(from_legacy_config("RMSprop")) is keras_ema_opt.RMSprop

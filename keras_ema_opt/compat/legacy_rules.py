@@ -22,6 +22,7 @@ from keras import ops
 
 from keras_ema_opt.errors import InvalidArgumentError
 from keras_ema_opt.optimizer import Optimizer
+from keras_ema_opt.optimizers import AveragedLossScaleOptimizer
 
 _register = keras.saving.register_keras_serializable(package="keras_ema_opt")
 
@@ -267,7 +268,8 @@ class LegacyLossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
     loss-scale optimizers are made with this class; with
     ``gradient_accumulation_steps`` (no Keras 2 optimizer had it) a
     skipped step is not counted, as Keras 3 does, since one count would
-    shift the accumulation's cycle.
+    shift the accumulation's cycle. ``keras_ema_opt.averaged()`` of one
+    gives an ``AveragedLegacyLossScaleOptimizer``, which keeps counting.
 
     Example:
 
@@ -296,3 +298,25 @@ class LegacyLossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
             values = [ops.add(value, 1) if variable is counter else value
                       for variable, value in zip(self.variables, values)]
         return trainable, values
+
+
+@_register
+class AveragedLegacyLossScaleOptimizer(AveragedLossScaleOptimizer,
+                                       LegacyLossScaleOptimizer):
+    """What ``keras_ema_opt.averaged()`` makes of a
+    ``LegacyLossScaleOptimizer``: its inner optimizer keeps the averages
+    (``AveragedLossScaleOptimizer``'s API), and its skipped steps still
+    count in ``iterations``.
+
+    Example:
+
+    ```python
+    import keras
+    import keras_ema_opt
+    from keras_ema_opt.compat import LegacyLossScaleOptimizer
+
+    optimizer = keras_ema_opt.averaged(
+        LegacyLossScaleOptimizer(keras.optimizers.Adam()),
+        keras_ema_opt.EMA(0.99))
+    ```
+    """
