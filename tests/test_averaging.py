@@ -1158,6 +1158,7 @@ def test_debias_correction_keeps_moving_near_one():
     averager.slots[0][0].assign(np.ones((4,), "float32"))
     start = np.float32(1 - 4e-6)
     averager.debias.assign(start)  # c itself, as a state written before
+    averager.count.assign(1200)  # after the updates that made it
     np.testing.assert_allclose(to_numpy(opt.average_of(var)),
                                np.full(4, 1 / float(start)), rtol=1e-7)
     rest = 1.0 - float(start)
@@ -1509,3 +1510,27 @@ def test_average_is_of_the_constrained_weights(make, strategy):
     for k, v in enumerate((var, plain)):
         np.testing.assert_allclose(to_numpy(opt.average_of(v)), held[k],
                                    rtol=1e-5, atol=1e-6)
+
+
+def test_debias_state_of_older_code_at_start_step_resumes_debiased():
+    # Code before 7596f43 held the copies before `start_step` as a
+    # correction of 1 (the debias state 2**126): a file it saved between
+    # them and the first update resumed as the plain EMA from the copy.
+    # Until an update is made the state is read as 0.
+    def run(older_state_at):
+        var = keras.Variable(np.zeros((3,), "float32"))
+        opt = keras_ema_opt.SGD(learning_rate=1.0,
+                                averaging=keras_ema_opt.EMA(
+                                    0.8, start_step=3, debias=True))
+        for t in range(1, 8):
+            if t == older_state_at:
+                opt._averager.debias.assign(2.0 ** 126)
+            opt.apply([keras.ops.full((3,), -1.0)], [var])
+        return to_numpy(opt.average_of(var))
+
+    np.testing.assert_array_equal(run(older_state_at=4), run(None))
+    # The float64 debiased average of the weights 4..7.
+    a = 0.0
+    for k, t in enumerate(range(4, 8), 1):
+        a = 0.8 * a + 0.2 * t
+    np.testing.assert_allclose(run(None), a / (1 - 0.8 ** 4), rtol=1e-6)

@@ -177,6 +177,45 @@ def test_checkpoint_with_an_uncompiled_model_warns_of_no_loss(tmp_path):
     assert _next_loss(model) == pytest.approx(theirs, rel=1e-6)
 
 
+class _K2Penalty(k2.layers.Layer):
+    def call(self, x):
+        self.add_loss(tf.reduce_mean(tf.square(x)))
+        return x
+
+
+class _Penalty(keras.layers.Layer):
+    def call(self, x):
+        self.add_loss(keras.ops.mean(keras.ops.square(x)))
+        return x
+
+
+def test_h5_compiled_without_a_loss_is_not_warned_of(tmp_path):
+    # A training config without a loss (the model's own add_loss): the
+    # model is compiled as it was, and nothing is said of a missing loss.
+    inputs = k2.Input((4,))
+    net = k2.Model(inputs, _K2Penalty()(k2.layers.Dense(2, name="d")(
+        inputs)))
+    net.compile(optimizer=k2.optimizers.Adam(0.01))
+    x = _batches(1)[0][0]
+    net.fit(x, verbose=0)
+    path = str(tmp_path / "m.h5")
+    net.save(path)
+
+    def build():
+        inputs = keras.Input((4,))
+        return keras.Model(inputs, _Penalty()(keras.layers.Dense(
+            2, name="d")(inputs)))
+
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        model = savedmodel.load_legacy(path, model=build)
+    assert not [w for w in said if "holds no loss" in str(w.message)]
+    assert int(to_numpy(model.optimizer.iterations)) == 1
+    theirs = net.train_on_batch(x)
+    assert float(to_numpy(model.train_on_batch(x))) == pytest.approx(
+        float(theirs), rel=1e-6)
+
+
 def _schedule(module):
     return module.optimizers.schedules.ExponentialDecay(0.05, 1, 0.5)
 

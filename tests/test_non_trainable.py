@@ -300,6 +300,34 @@ def test_loss_scale_optimizer_averages_statistics():
                           record.stats)
 
 
+@pytest.mark.parametrize("legacy", [False, True])
+def test_a_skipped_step_moves_no_average_of_statistics(legacy):
+    # A step a loss-scale optimizer skips (gradients not finite) leaves
+    # every average, the statistics' too. On JAX fit() tells it by the
+    # scale (halved only then): it went by `iterations`, which
+    # compat.LegacyLossScaleOptimizer counts on a skipped step too, and
+    # the statistics' averages moved there.
+    wrapper = (keras_ema_opt.compat.LegacyLossScaleOptimizer if legacy
+               else keras.optimizers.LossScaleOptimizer)
+    inputs = keras.Input((4,))
+    hidden = keras.layers.BatchNormalization(momentum=0.5)(
+        keras.layers.Dense(3)(inputs))
+    model = keras.Model(inputs, keras.layers.Dense(1)(hidden))
+    inner = keras_ema_opt.Adam(0.01, averaging=keras_ema_opt.EMA(
+        0.5, include_non_trainable=True, finalize=False))
+    model.compile(optimizer=wrapper(inner), loss="mse")
+    x = np.random.RandomState(1).randn(8, 4).astype("float32")
+    model.train_on_batch(x, np.ones((8, 1), "float32"))
+    watched = model.non_trainable_variables + model.trainable_variables
+    before = [to_numpy(inner.average_of(v)) for v in watched]
+    # Other statistics in the skipped batch, and a loss that overflows.
+    model.train_on_batch(x * 10 + 3, np.full((8, 1), 3e38, "float32"))
+    assert int(to_numpy(inner.iterations)) == (2 if legacy else 1)
+    for var, was in zip(watched, before):
+        np.testing.assert_array_equal(to_numpy(inner.average_of(var)), was,
+                                      err_msg=var.path)
+
+
 @only_on("tensorflow", "torch")  # Keras' own LossScaleOptimizer cannot
 # take an eager step on JAX (UnexpectedTracerError), ours or not
 def test_loss_scale_optimizer_in_a_custom_loop_tracks_the_model():

@@ -401,7 +401,7 @@ class Averager:
         ``s = 0`` (no update yet: the average holds zeros) and ``c = 1``
         (``a = b``) read alike in both.
         """
-        s = self.debias.value
+        s = self._debias_state()
         r, old = self._debias_terms(s)
         weight = ops.cast(weight, "float32")
         # Below 2 / _HELD, c * _HELD could be 1 or less: an old state's.
@@ -427,6 +427,14 @@ class Averager:
             # the start, the plain EMA from it, as without `debias`.
             updated = ops.where(copy, 0.0, ops.where(average, updated, s))
         return updated, weight
+
+    def _debias_state(self):
+        """The debias state, 0 while no averaging update has been made:
+        code before 7596f43 held the copies before a ``start_step`` as a
+        correction of 1, and a file it saved between the copies and the
+        first update would resume as the plain EMA from the copy."""
+        return ops.where(ops.equal(self.count.value, 0), 0.0,
+                         self.debias.value)
 
     @staticmethod
     def _debias_terms(s):
@@ -468,7 +476,7 @@ class Averager:
             # Before the first averaging update (c = 0) the average is the
             # weights themselves; a state of before the held form reads
             # a / c (`_debias_step`). c is tested in float32.
-            r, old = self._debias_terms(self.debias.value)
+            r, old = self._debias_terms(self._debias_state())
             c = self._correction(r)
             started = ops.greater(c, 0.0)
             dtype = value.dtype

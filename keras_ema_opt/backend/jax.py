@@ -227,11 +227,17 @@ def _average_non_trainable(optimizer, model, before, after, non_trainable):
         return non_trainable, after
     state_vars = model.optimizer.variables
     # The counters as the optimizer's step saw them, and whether the step
-    # was taken (a loss-scale optimizer skips non-finite ones).
-    iterations = optimizer._iterations
+    # was taken: a loss-scale optimizer skips non-finite ones, and halves
+    # its scale then, which a step taken never does (a skipped step may
+    # still count in `iterations`: compat.LegacyLossScaleOptimizer).
     position = {id(v): i for i, v in enumerate(state_vars)}
-    i_iter = position[id(iterations)]
-    applied = jnp.not_equal(after[i_iter], before[i_iter])
+    scale = getattr(model.optimizer, "dynamic_scale", None)
+    if scale is not None and id(scale) in position:
+        i_scale = position[id(scale)]
+        applied = jnp.greater_equal(after[i_scale], before[i_scale])
+    else:
+        i_iter = position[id(optimizer._iterations)]
+        applied = jnp.not_equal(after[i_iter], before[i_iter])
     # One scope: the overwrite reads the averages the update just wrote.
     mapping = list(zip(state_vars, before))
     mapping += list(zip(model.non_trainable_variables, non_trainable))

@@ -246,7 +246,9 @@ def _load_model(path, custom_objects, safe_mode, model):
                 "compiled.", stacklevel=3)
             return model, record, mapping, placed
         arguments = convert.compile_arguments(record, custom_objects)
-        if "loss" not in arguments:
+        if "loss" not in arguments and record.training_config is None:
+            # (A training config without a loss: the model's own losses,
+            # add_loss, as it was compiled.)
             warnings.warn(
                 f"{record.path} holds no loss (a checkpoint keeps no "
                 "training config): the Keras 3 model is compiled with its "
