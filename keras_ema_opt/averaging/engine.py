@@ -233,8 +233,15 @@ class Averager:
             if real is not None:
                 average = ops.logical_and(average, real)
                 copy = ops.logical_and(copy, real)
-        n = ops.cast(self.count.value, "int32") + 1
-        weights = [ops.cast(w, "float32") for w in strategy.weights(n, t)]
+        # Weights the same at every update (an EMA without warm-up) are
+        # Python floats, which no backend reads back from a device.
+        weights = None if self.debias is not None else (
+            strategy.constant_weights())
+        if weights is None:
+            n = ops.cast(self.count.value, "int32") + 1
+            weights = [ops.cast(w, "float32")
+                       for w in strategy.weights(n, t)]
+        weights = list(weights)
         debias = None
         if self.debias is not None:
             debias, weights[0] = self._debias_step(weights[0], average, copy)

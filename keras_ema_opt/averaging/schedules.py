@@ -94,9 +94,15 @@ def gamma_to_sigma_rel(gamma):
 
 def constant_weight(momentum, every=1):
     """``1 - momentum ** every``, in float64 (a float32 tensor)."""
+    return ops.convert_to_tensor(constant_weight_value(momentum, every),
+                                 "float32")
+
+
+def constant_weight_value(momentum, every=1):
+    """``1 - momentum ** every``, formed in float64, as a Python float."""
     momentum = float(momentum)
-    w = 1.0 if momentum == 0.0 else -math.expm1(every * math.log(momentum))
-    return ops.convert_to_tensor(w, "float32")
+    return 1.0 if momentum == 0.0 else -math.expm1(
+        every * math.log(momentum))
 
 
 def num_updates_weight(momentum, n):

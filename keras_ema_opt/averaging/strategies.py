@@ -188,6 +188,13 @@ class Averaging:
         """Decays (one per slot) for update ``n`` made at step ``t``."""
         raise NotImplementedError
 
+    def constant_weights(self):
+        """The weights ``1 - d`` (one per slot) as Python floats, each the
+        float32 value :meth:`weights` gives, where they are the same at
+        every update; else None. A backend then reads no tensor for them
+        (on CUDA each read waits for the device)."""
+        return None
+
     def weights(self, n, t):
         """``1 - d`` (one per slot) for update ``n`` made at step ``t``:
         the weight of the new value in ``a <- a + w (x - a)``, which the
@@ -297,6 +304,12 @@ class EMA(Averaging):
                 "`min_momentum` must be at most `momentum` (the floor and "
                 "the ceiling of the warm-up). Received: "
                 f"min_momentum={min_momentum!r}, momentum={momentum!r}")
+
+    def constant_weights(self):
+        if self.warmup is not None:
+            return None
+        return [float(np.float32(schedules.constant_weight_value(
+            self.momentum, self.every)))]
 
     def weights(self, n, t):
         del t
