@@ -1534,3 +1534,23 @@ def test_debias_state_of_older_code_at_start_step_resumes_debiased():
     for k, t in enumerate(range(4, 8), 1):
         a = 0.8 * a + 0.2 * t
     np.testing.assert_allclose(run(None), a / (1 - 0.8 ** 4), rtol=1e-6)
+
+
+def test_ema_subclass_weights_are_its_rule():
+    # An EMA without warm-up gives its weight as a Python number
+    # (constant_weights); a subclass defining its own `weights` keeps its
+    # rule (it was averaged with its parent's 1 - momentum).
+    class HalfEMA(keras_ema_opt.EMA):
+        def weights(self, n, t):
+            return [keras.ops.convert_to_tensor(0.5, "float32")]
+
+    assert HalfEMA(0.999).constant_weights() is None
+    assert keras_ema_opt.EMA(0.999).constant_weights() == [float(
+        np.float32(1 - 0.999))]
+    var = keras.Variable(np.zeros((1,), "float32"))
+    opt = keras_ema_opt.SGD(1.0, averaging=HalfEMA(0.999))
+    a = 0.0
+    for t in range(1, 4):  # the weight after step t is t
+        opt.apply([keras.ops.full((1,), -1.0)], [var])
+        a += 0.5 * (t - a)
+    np.testing.assert_allclose(to_numpy(opt.average_of(var)), [a])

@@ -306,7 +306,9 @@ class EMA(Averaging):
                 f"min_momentum={min_momentum!r}, momentum={momentum!r}")
 
     def constant_weights(self):
-        if self.warmup is not None:
+        # A subclass's own `weights` (or `decays`) is its rule.
+        if self.warmup is not None or type(self).weights is not EMA.weights \
+                or type(self).decays is not EMA.decays:
             return None
         return [float(np.float32(schedules.constant_weight_value(
             self.momentum, self.every)))]
