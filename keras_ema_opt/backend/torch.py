@@ -751,8 +751,9 @@ def is_chief():
 def lerp_averages(pairs, weight, gated=False):
     """``a <- a + weight (x - a)`` as one ``torch._foreach_lerp_`` per
     device and dtype (one pass, no temporary; as torch's ``AveragedModel``
-    and timm do), with ``weight`` a 0-dim tensor (see ``_lerp`` for how
-    torch reads it). torch's lerp is exact at the ends for finite values:
+    and timm do), with ``weight`` a 0-dim tensor, or a Python float where
+    the strategy's weight is the same at every update (see ``_lerp`` for
+    how a tensor is read). torch's lerp is exact at the ends for finite values:
     weight 1 copies, 0 keeps. Where the weight may be exactly 0 or 1
     (``gated``: SWA's steps between samples, a ``start_step``), the
     weight read once: 0 keeps the averages whatever the variables hold
@@ -783,8 +784,9 @@ def lerp_averages(pairs, weight, gated=False):
 
 
 def _lerp(averages, values, weight, gated):
-    """``torch._foreach_lerp_`` of one device and dtype with the 0-dim
-    tensor ``weight`` (the strategy's ``1 - d``, in float32 or float64).
+    """``torch._foreach_lerp_`` of one device and dtype with ``weight``
+    (the strategy's ``1 - d``: a 0-dim tensor in float32 or float64, or a
+    Python float, ``Averaging.constant_weights``, which reads nothing).
 
     torch's ``_foreach_lerp_`` takes its weight as a number: it has no
     overload for a tensor weight, and reads a 0-dim tensor with
