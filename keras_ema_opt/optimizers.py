@@ -360,8 +360,6 @@ class AveragedLossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         return self.inner_optimizer.track_non_trainable(model)
 
 
-
-
 # ---------------------------------------------------------------------------
 # Keras 2's module functions: tf.keras.optimizers.get / serialize /
 # deserialize, for code that used the module itself.
