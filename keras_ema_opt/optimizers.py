@@ -16,7 +16,6 @@ from keras.src.optimizers.base_optimizer import BaseOptimizer
 from keras_ema_opt import backend
 from keras_ema_opt.averaging import Averaging
 from keras_ema_opt.errors import InvalidArgumentError
-from keras_ema_opt.errors import LegacyConfigError
 from keras_ema_opt.optimizer import Optimizer
 
 NAMES = (
@@ -418,34 +417,16 @@ def deserialize(config, custom_objects=None, use_legacy_format=False,
         {"class_name": "Adam", "config": {"learning_rate": 0.01}})
     ```
     """
-    from keras_ema_opt.compat import from_legacy_config
+    from keras_ema_opt.compat import configs
 
     del use_legacy_format  # both formats are read
     if use_legacy_optimizer:
         if isinstance(config, str):
             config = {"class_name": config, "config": {}}
         if isinstance(config, dict):
-            _refuse_unknown_to_optimizer_v2(config, custom_objects)
+            configs.refuse_unknown_to_optimizer_v2(config, custom_objects)
             config = dict(config, module="keras.optimizers.legacy")
-    return from_legacy_config(config, custom_objects)
-
-
-def _refuse_unknown_to_optimizer_v2(config, custom_objects):
-    """Keras 2's ``use_legacy_optimizer=True`` knew OptimizerV2's classes,
-    the experimental aliases and the loss-scale wrapper, not AdamW, Lion
-    or Adafactor: those are refused as Keras 2 refused them."""
-    from keras_ema_opt.compat import configs
-
-    base = str(config.get("class_name", "")).split(">")[-1].split(".")[-1]
-    known = {n.lower() for n in configs.OPTIMIZER_V2_NAMES
-             + configs.LOSS_SCALE_NAMES} | set(configs.EXPERIMENTAL_ALIASES)
-    if (base.lower() in configs.CLASS_NAMES and base.lower() not in known
-            and not (custom_objects and base in custom_objects)):
-        raise LegacyConfigError(
-            f"Unknown optimizer {base!r} with use_legacy_optimizer=True: "
-            "Keras 2's OptimizerV2 (tf.keras.optimizers.legacy) has no "
-            f"such class. Accepted: {', '.join(configs.OPTIMIZER_V2_NAMES)}"
-            ", LossScaleOptimizer; or use_legacy_optimizer=False.")
+    return configs.from_legacy_config(config, custom_objects)
 
 
 def get(identifier, use_legacy_optimizer=False):

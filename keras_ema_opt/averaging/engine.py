@@ -241,7 +241,6 @@ class Averager:
             n = ops.cast(self.count.value, "int32") + 1
             weights = [ops.cast(w, "float32")
                        for w in strategy.weights(n, t)]
-        weights = list(weights)
         debias = None
         if self.debias is not None:
             debias, weights[0] = self._debias_step(weights[0], average, copy)
@@ -314,12 +313,13 @@ class Averager:
             for slot, var in backend.lerp_averages(
                     pairs, self._weight(weight, average, copy),
                     gated=average is not None):
-                slot.assign(self._mix(slot, var, weight, average, copy))
+                slot.assign(self._mix(slot, var.value, weight, average,
+                                      copy))
         for _, var, slots in constrained:
             # The value Keras' `apply` gives the variable right after this
             # step (`variable.assign(variable.constraint(variable))`): the
             # average is of the weights the model holds.
-            value = _Value(var.constraint(var.value))
+            value = var.constraint(var.value)
             for slot, weight in zip(slots, weights):
                 slot.assign(self._mix(slot, value, weight, average, copy))
         if extras_only:
@@ -354,13 +354,14 @@ class Averager:
         return ops.where(copy, 1.0, ops.where(average, w, 0.0))
 
     @staticmethod
-    def _mix(slot, var, weight, average, copy):
-        # Averages of bfloat16 / float16 are mixed in float32 and rounded
-        # once, or they would never move (the fast paths take `1 - d` in
-        # float32 too).
+    def _mix(slot, value, weight, average, copy):
+        # The new value of `slot` from the variable's `value`. Averages of
+        # bfloat16 / float16 are mixed in float32 and rounded once, or
+        # they would never move (the fast paths take `1 - d` in float32
+        # too).
         dtype = _working_dtype(slot.dtype)
         a = ops.cast(slot.value, dtype)
-        w = backend.widen(var.value, dtype)
+        w = backend.widen(value, dtype)
         # a + (1 - d) (x - a) with the strategy's 1 - d, as torch's `lerp`
         # computes it: from the nearer end, x - d (x - a) where 1 - d is
         # at least 1/2, so exact at both ends. Not d a + (1 - d) x: in
@@ -770,15 +771,6 @@ def _warn_of_unmeasured_statistics(model, assigned):
             "would normalize with them. Run keras_ema_opt.update_bn(model, "
             "data) for statistics of the averaged weights, or average the "
             "statistics too (include_non_trainable=True).", stacklevel=3)
-
-
-class _Value:
-    """A value in the place of a variable for :meth:`Averager._mix`."""
-
-    __slots__ = ("value",)
-
-    def __init__(self, value):
-        self.value = value
 
 
 def _averages_constrained(optimizer, variable):

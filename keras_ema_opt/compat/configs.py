@@ -103,7 +103,7 @@ def from_legacy_config(config, custom_objects=None):
     class_name = str(config["class_name"])
     module = str(config.get("module") or "")
     inner = _plain(dict(config.get("config") or {}))
-    base = class_name.split(">")[-1].split(".")[-1]
+    base = _base_name(class_name)
     if base.lower() in _LOSS_SCALE_LOWER:
         return _loss_scale(inner, custom_objects)
     v2 = _is_optimizer_v2(class_name, module, inner)
@@ -178,8 +178,31 @@ def _is_optimizer_v2(class_name, module, config):
 _LOSS_SCALE_LOWER = {n.lower() for n in LOSS_SCALE_NAMES}
 
 
+def _base_name(class_name):
+    """The class's own name in a Keras 2 ``class_name`` (``"Custom>Adam"``,
+    ``"keras.optimizers.legacy.Adam"``: ``"Adam"``)."""
+    return str(class_name).split(">")[-1].split(".")[-1]
+
+
+def refuse_unknown_to_optimizer_v2(config, custom_objects=None):
+    """Keras 2's ``use_legacy_optimizer=True`` knew OptimizerV2's classes,
+    the experimental aliases and the loss-scale wrapper, not AdamW, Lion
+    or Adafactor: those are refused as Keras 2 refused them, unless
+    ``custom_objects`` gives the name."""
+    base = _base_name(config.get("class_name", ""))
+    known = {n.lower() for n in OPTIMIZER_V2_NAMES + LOSS_SCALE_NAMES} | (
+        set(EXPERIMENTAL_ALIASES))
+    if (base.lower() in CLASS_NAMES and base.lower() not in known
+            and not (custom_objects and base in custom_objects)):
+        raise LegacyConfigError(
+            f"Unknown optimizer {base!r} with use_legacy_optimizer=True: "
+            "Keras 2's OptimizerV2 (tf.keras.optimizers.legacy) has no "
+            f"such class. Accepted: {', '.join(OPTIMIZER_V2_NAMES)}"
+            ", LossScaleOptimizer; or use_legacy_optimizer=False.")
+
+
 def _class_for(class_name, config, v2, custom_objects):
-    base = class_name.split(">")[-1].split(".")[-1]
+    base = _base_name(class_name)
     if custom_objects and base in custom_objects:
         return custom_objects[base]
     if base.lower() in EXPERIMENTAL_ALIASES:
