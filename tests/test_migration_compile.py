@@ -12,6 +12,7 @@ and the same weights after the step.
 
 import json
 import os
+import warnings
 
 import keras
 import numpy as np
@@ -30,7 +31,8 @@ pytest.importorskip("tf_keras")
 SCRIPT = os.path.join(ROOT, "tests", "scripts", "make_compile_artifacts.py")
 CASES = ["loss_objects", "metric_objects", "custom_loss", "metric_names",
          "multi_output", "multi_output_dict", "huber", "cosine_axis",
-         "one_loss_weighted", "one_loss_weighted_dict", "fresh", "mixed"]
+         "one_loss_weighted", "one_loss_weighted_dict", "fresh", "mixed",
+         "mixed_v2"]
 CUSTOM = {"my_loss": my_loss}
 
 
@@ -171,42 +173,114 @@ def test_uncompiled_tf_keras_keras_file_is_not_compiled(artifacts):
     assert not model.compiled
 
 
+def _resumes_through_more_steps(model, expected):
+    """tf_keras' next steps after the save: one applied, one skipped
+    (overflowing again), one applied. Keras 2's wrapper counted the skipped
+    step in `iterations`, and so does the migrated one
+    (compat.LegacyLossScaleOptimizer): Keras 3's did not, and the last Adam
+    step then read another step count."""
+    more = expected["more"]
+    model.train_on_batch(np.asarray(expected["x"], "float32"),
+                         np.asarray(expected["y"], "float32"))
+    for x, y in more["batches"]:
+        model.train_on_batch(np.asarray(x, "float32"),
+                             np.asarray(y, "float32"))
+    assert int(to_numpy(model.optimizer.iterations)) == more["iterations"]
+    assert float(to_numpy(model.optimizer.dynamic_scale)) == (
+        more["loss_scale"])
+    for got, want in zip(model.weights, more["after"]):
+        np.testing.assert_allclose(to_numpy(got), want, rtol=1e-5,
+                                   atol=1e-6)
+
+
+@pytest.fixture
+def mixed_float16():
+    keras.config.set_dtype_policy("mixed_float16")
+    yield
+    keras.config.set_dtype_policy("float32")
+
+
+def _dense_model():
+    return keras.Sequential([keras.Input((4,)),
+                             keras.layers.Dense(2, name="d")])
+
+
+# "mixed": Keras 2.11+'s Adam in its LossScaleOptimizer; "mixed_v2":
+# OptimizerV2's.
+@pytest.mark.parametrize("case", ["mixed", "mixed_v2"])
 def test_loss_scale_is_kept_from_a_savedmodel_and_named_when_lost(
-        artifacts, tmp_path):
-    folder = os.path.join(artifacts, "mixed")
+        artifacts, tmp_path, mixed_float16, case):
+    folder = os.path.join(artifacts, case)
     scale = _expected(folder)["loss_scale"]
     assert scale < 32768  # the overflowing steps halved it in tf_keras
-    keras.config.set_dtype_policy("mixed_float16")
-    try:
-        model = _migrated(folder, "savedmodel", tmp_path)
-        assert float(to_numpy(model.optimizer.dynamic_scale)) == scale
-        # Resumed through tf_keras' next steps: one applied, one skipped
-        # (overflowing again), one applied. Keras 2's wrapper counted the
-        # skipped step in `iterations`, and so does the migrated one
-        # (compat.LegacyLossScaleOptimizer): Keras 3's did not, and the
-        # last Adam step then read another step count.
-        assert isinstance(model.optimizer,
-                          keras_ema_opt.compat.LegacyLossScaleOptimizer)
-        expected = _expected(folder)
-        more = expected["more"]
-        model.train_on_batch(np.asarray(expected["x"], "float32"),
-                             np.asarray(expected["y"], "float32"))
-        for x, y in more["batches"]:
-            model.train_on_batch(np.asarray(x, "float32"),
-                                 np.asarray(y, "float32"))
-        assert int(to_numpy(model.optimizer.iterations)) == (
-            more["iterations"])
-        assert float(to_numpy(model.optimizer.dynamic_scale)) == (
-            more["loss_scale"])
-        for got, want in zip(model.weights, more["after"]):
-            np.testing.assert_allclose(to_numpy(got), want, rtol=1e-5,
-                                       atol=1e-6)
-        with pytest.warns(UserWarning, match="does not store the loss scale"):
-            model = keras_ema_opt.load_legacy(os.path.join(folder,
-                                                           "model.h5"))
-        assert float(to_numpy(model.optimizer.dynamic_scale)) == 32768
-    finally:
-        keras.config.set_dtype_policy("float32")
+    model = _migrated(folder, "savedmodel", tmp_path)
+    assert float(to_numpy(model.optimizer.dynamic_scale)) == scale
+    assert isinstance(model.optimizer,
+                      keras_ema_opt.compat.LegacyLossScaleOptimizer)
+    _resumes_through_more_steps(model, _expected(folder))
+    with pytest.warns(UserWarning, match="does not store the loss scale"):
+        model = keras_ema_opt.load_legacy(os.path.join(folder, "model.h5"))
+    assert float(to_numpy(model.optimizer.dynamic_scale)) == 32768
+
+
+def test_bare_checkpoint_of_a_loss_scale_optimizer_keeps_its_scale(
+        artifacts, mixed_float16):
+    """An OptimizerV2 checkpoint stores no config: the optimizer rebuilt
+    from its variables is wrapped as it was, with the scale it reached."""
+    folder = os.path.join(artifacts, "mixed_v2")
+    model = _dense_model()
+    with pytest.warns(UserWarning, match="rebuilt .* in the LossScale"):
+        optimizer = keras_ema_opt.savedmodel.restore_checkpoint(
+            model, os.path.join(folder, "ckpt"))
+    assert isinstance(optimizer,
+                      keras_ema_opt.compat.LegacyLossScaleOptimizer)
+    assert float(to_numpy(optimizer.dynamic_scale)) == (
+        _expected(folder)["loss_scale"])
+    model.compile(optimizer=optimizer, loss="mse")
+    _resumes_through_more_steps(model, _expected(folder))
+
+
+@pytest.mark.parametrize("case", ["mixed", "mixed_v2"])
+def test_loss_scale_given_no_place_or_keras_wrapper_is_named(
+        artifacts, case):
+    """A model compiled with an optimizer of its own: a loss scale it has
+    no place for, or Keras 3's wrapper (which counts skipped steps
+    otherwise), is named, not passed over."""
+    folder = os.path.join(artifacts, case)
+    scale = _expected(folder)["loss_scale"]
+
+    def plain():
+        model = _dense_model()
+        model.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse")
+        return model
+
+    with pytest.warns(UserWarning, match=f"loss scale of {scale:g} after 0 "
+                      "good steps; the Adam given is no loss-scale"):
+        keras_ema_opt.load_legacy(os.path.join(folder, "ckpt"), model=plain)
+
+    def keras_wrapper():
+        model = _dense_model()
+        model.compile(optimizer=keras.optimizers.LossScaleOptimizer(
+            keras.optimizers.Adam(0.01)), loss="mse")
+        return model
+
+    with pytest.warns(UserWarning, match="migrated into Keras 3's "
+                      "LossScaleOptimizer, which does not count"):
+        model = keras_ema_opt.load_legacy(os.path.join(folder, "ckpt"),
+                                          model=keras_wrapper)
+    assert float(to_numpy(model.optimizer.dynamic_scale)) == scale
+
+    def ours():
+        model = _dense_model()
+        model.compile(optimizer=keras_ema_opt.compat.LegacyLossScaleOptimizer(
+            keras.optimizers.Adam(0.01)), loss="mse")
+        return model
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        model = keras_ema_opt.load_legacy(os.path.join(folder, "ckpt"),
+                                          model=ours)
+    assert float(to_numpy(model.optimizer.dynamic_scale)) == scale
 
 
 def test_destination_is_checked_before_the_source_is_read(tmp_path):

@@ -300,12 +300,19 @@ def optimizer_from_record(record, custom_objects=None):
     legacy = configs.legacy_config_from_state(
         name, hypers, slot_set, state.learning_rate)
     config = legacy["config"]
+    scaled = "current_loss_scale" in hypers
     warnings.warn(
         f"{record.path}: {name} rebuilt from the checkpoint's "
-        f"hyperparameter variables {sorted(config)}; arguments a checkpoint "
-        "does not store (epsilon, nesterov, ...) take their defaults. Pass "
-        "the optimizer to be exact.", stacklevel=3)
-    return configs.from_legacy_config(legacy, custom_objects)
+        f"hyperparameter variables {sorted(config)}"
+        f"{' in the LossScaleOptimizer it was wrapped in' if scaled else ''}"
+        "; arguments a checkpoint does not store (epsilon, nesterov, ..."
+        f"{'; the loss scale growth steps' if scaled else ''}) take their "
+        "defaults. Pass the optimizer to be exact.", stacklevel=3)
+    optimizer = configs.from_legacy_config(legacy, custom_objects)
+    if scaled:
+        # Its scale and good steps are filled in with the slots.
+        optimizer = legacy_rules.LegacyLossScaleOptimizer(optimizer)
+    return optimizer
 
 
 def fill_optimizer(record, optimizer, mapping, model, placed=None):
@@ -392,12 +399,41 @@ def fill_optimizer(record, optimizer, mapping, model, placed=None):
     cache = state.hyperparameters.get("momentum_cache")
     if cache is not None and hasattr(inner, "_momentum_cache"):
         inner._momentum_cache.assign(float(cache))
-    scale = state.hyperparameters.get("current_loss_scale")
-    if scale is not None and hasattr(optimizer, "dynamic_scale"):
-        optimizer.dynamic_scale.assign(float(scale))
-        optimizer.step_counter.assign(
-            int(state.hyperparameters.get("good_steps") or 0))
+    _fill_loss_scale(record, optimizer)
     return optimizer
+
+
+def _fill_loss_scale(record, optimizer):
+    """A Keras 2 ``LossScaleOptimizer``'s dynamic scale and its count of
+    good steps, into the loss-scale optimizer given; a warning names what
+    is not kept where that is none, or Keras 3's own (which does not count
+    the steps it skips, as Keras 2's did)."""
+    hypers = record.optimizer.hyperparameters
+    scale = hypers.get("current_loss_scale")
+    if scale is None:
+        return
+    good = int(hypers.get("good_steps") or 0)
+    kept = (f"the Keras 2 optimizer was a LossScaleOptimizer, at a dynamic "
+            f"loss scale of {float(scale):g} after {good} good steps")
+    wrap = ("Wrap the optimizer in "
+            "keras_ema_opt.compat.LegacyLossScaleOptimizer to resume as "
+            "Keras 2 did.")
+    if not hasattr(optimizer, "dynamic_scale"):
+        warnings.warn(
+            f"{record.path}: {kept}; the {type(optimizer).__name__} given is "
+            "no loss-scale optimizer, so the scale is not migrated and "
+            f"training goes on without loss scaling. {wrap}", stacklevel=4)
+        return
+    optimizer.dynamic_scale.assign(float(scale))
+    optimizer.step_counter.assign(good)
+    if not isinstance(optimizer, legacy_rules.LegacyLossScaleOptimizer):
+        warnings.warn(
+            f"{record.path}: {kept}, and the scale is migrated into Keras "
+            f"3's {type(optimizer).__name__}, which does not count the "
+            "steps it skips (non-finite gradients) in `iterations` as Keras "
+            "2's did: after the next skipped step, the step count Adam's "
+            "bias correction and schedules read is one behind Keras 2's. "
+            f"{wrap}", stacklevel=4)
 
 
 def _averages_of(optimizer):

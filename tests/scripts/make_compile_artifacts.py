@@ -118,16 +118,20 @@ def _one_loss_weighted(as_dict):
     return make
 
 
-def _mixed():
+def _mixed(optimizer):
     # Targets far beyond float16: the first steps overflow and halve the
     # dynamic loss scale (32768 -> 4096), state an .h5 does not keep.
-    model = k2.Sequential([k2.Input((4,)), k2.layers.Dense(2, name="d")])
-    model.compile(optimizer=k2.optimizers.Adam(0.01), loss="mse")
-    rng = np.random.RandomState(2)
-    return model, [(rng.randn(8, 4).astype("float32"),
-                    np.full((8, 2), 3e4, "float32")) for _ in range(3)] + [
-        (rng.randn(8, 4).astype("float32"),
-         rng.randn(8, 2).astype("float32"))]
+    def make():
+        model = k2.Sequential([k2.Input((4,)),
+                               k2.layers.Dense(2, name="d")])
+        model.compile(optimizer=optimizer(), loss="mse")
+        rng = np.random.RandomState(2)
+        return model, [(rng.randn(8, 4).astype("float32"),
+                        np.full((8, 2), 3e4, "float32"))
+                       for _ in range(3)] + [
+            (rng.randn(8, 4).astype("float32"),
+             rng.randn(8, 2).astype("float32"))]
+    return make
 
 
 CASES = {
@@ -150,16 +154,18 @@ CASES = {
     "fresh": _regression(lambda: "mse", lambda: None,
                          lambda: k2.optimizers.legacy.SGD(0.05,
                                                           momentum=0.9)),
-    "mixed": _mixed,
+    "mixed": _mixed(lambda: k2.optimizers.Adam(0.01)),
+    # OptimizerV2's wrapper: its bare checkpoint names no class.
+    "mixed_v2": _mixed(lambda: k2.optimizers.legacy.Adam(0.01)),
 }
-STEPS_BEFORE = {"fresh": 0, "mixed": 3}
+STEPS_BEFORE = {"fresh": 0, "mixed": 3, "mixed_v2": 3}
 
 
 def make(out, name):
     tf.random.set_seed(0)
     k2.utils.set_random_seed(0)
     k2.mixed_precision.set_global_policy(
-        "mixed_float16" if name == "mixed" else "float32")
+        "mixed_float16" if name.startswith("mixed") else "float32")
     model, batches = CASES[name]()
     for x, y in batches[:STEPS_BEFORE.get(name, 2)]:
         model.train_on_batch(x, y)
@@ -175,7 +181,7 @@ def make(out, name):
         k2.models.clone_model(model).save(
             os.path.join(folder, "uncompiled.keras"))
     else:
-        if name != "mixed":
+        if not name.startswith("mixed"):
             model.save(os.path.join(folder, "model.keras"))
         # As TensorFlow's checkpoint guide writes them: the model under
         # a key of the user's choosing.
@@ -187,7 +193,7 @@ def make(out, name):
     x, y = batches[STEPS_BEFORE.get(name, 2)]
     logs = model.train_on_batch(x, y, return_dict=True)
     more = {}
-    if name == "mixed":
+    if name.startswith("mixed"):
         # Two more steps: one that overflows again (skipped: Keras 2
         # counted it in `iterations`, Keras 3's wrapper does not), then
         # one applied, whose Adam step reads that count.
