@@ -259,8 +259,14 @@ class AveragedCheckpoint(keras.callbacks.Callback):
 
     def __init__(self, filepath, save_freq=1, slot=0):
         super().__init__()
+        if not isinstance(filepath, (str, os.PathLike)):
+            raise InvalidArgumentError(
+                "`filepath` must be a path (str or os.PathLike) ending in "
+                "'.keras', which may hold `{epoch}` and the logs' keys. "
+                f"Received: filepath={filepath!r} of type "
+                f"{type(filepath).__name__}")
         filepath = os.fspath(filepath)
-        if not filepath.endswith(".keras"):
+        if not isinstance(filepath, str) or not filepath.endswith(".keras"):
             raise InvalidArgumentError(
                 "AveragedCheckpoint writes `.keras` files: `filepath` must "
                 f"end in '.keras'. Received: filepath={filepath!r}"

@@ -401,6 +401,10 @@ def test_averaged_checkpoint_writes_the_averaged_model(tmp_path):
 def test_callback_errors_name_what_was_received():
     with pytest.raises(InvalidArgumentError, match="must end in '.keras'"):
         AveragedCheckpoint("model.h5")
+    for path in (None, 3):  # was os.fspath's bare TypeError
+        with pytest.raises(InvalidArgumentError, match="`filepath` must be "
+                           f"a path.*Received: filepath={path!r} of type"):
+            AveragedCheckpoint(path)
     with pytest.raises(InvalidArgumentError, match="save_freq=0"):
         AveragedCheckpoint("m.keras", save_freq=0)
     # At construction, as SwapAverage's (it was read after an epoch).

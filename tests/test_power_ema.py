@@ -362,8 +362,13 @@ def test_snapshot_steps_when_epochs_end_in_a_shorter_call(tmp_path):
 def test_power_ema_errors():
     with pytest.raises(ValueError, match="sigma_rels=\\(0.5,\\)"):
         keras_ema_opt.PowerEMA(sigma_rels=(0.5,))
-    with pytest.raises(ValueError, match="a sequence of widths"):
-        keras_ema_opt.PowerEMA(sigma_rels=0.1)
+    for widths in (0.1, None, "0.1", b"0.1"):
+        # The value received is named as it was given (a string was
+        # named as its characters).
+        with pytest.raises(InvalidArgumentError,
+                           match=f"a sequence of widths.*Received: "
+                           f"sigma_rels={re.escape(repr(widths))}$"):
+            keras_ema_opt.PowerEMA(sigma_rels=widths)
     for width in (0, 0.4, "0.1"):
         # EDM2's widths: sigma_rel in (0, 1/sqrt(12)); a wider one has a
         # negative exponent and no meaning.
@@ -379,6 +384,51 @@ def test_power_ema_errors():
     with pytest.raises(InvalidArgumentError, match="'/nonexistent' does "
                        "not exist: give the `snapshot_dir`"):
         keras_ema_opt.PowerEMA().synthesize(0.1, snapshot_dir="/nonexistent")
+
+
+@pytest.mark.parametrize("args,message", [
+    # One exponent for two steps was broadcast to both.
+    (([5, 10], [6.9], [10], [3.0]), "2 steps and 1 exponents"),
+    (([5, 10], [6.9, 16.9], [10, 20], [3.0]), "2 steps and 1 exponents"),
+    (([], [], [10], [3.0]), "0 steps and 0 exponents"),
+    # Profiles with no inner product: NaN coefficients, or an SVD that
+    # did not converge.
+    (([5, 10], [6.9, 16.9], [10], [-1.0]), "out_gamma=\\[-1.0\\]"),
+    (([0, 10], [6.9, 16.9], [10], [3.0]), "in_t=\\[0.0, 10.0\\]"),
+    (([5, float("nan")], [6.9, 16.9], [10], [3.0]), "`in_t` must be finite"),
+    (([5, 10], [6.9, 16.9], [[10]], [3.0]), "`out_t` must be finite"),
+    (([5, 10], ["a", 16.9], [10], [3.0]), "`in_gamma` must be numbers"),
+])
+def test_solve_coefficients_refuses_profiles_it_cannot_fit(args, message):
+    from keras_ema_opt.averaging import solve_coefficients
+
+    with pytest.raises(InvalidArgumentError, match=message):
+        solve_coefficients(*args)
+
+
+def test_synthesize_refuses_bad_arguments_and_snapshots_of_another_model(
+        tmp_path):
+    from keras_ema_opt.averaging import posthoc
+
+    posthoc.write_snapshot(tmp_path, 10, [6.9], 1,
+                           {"0/net/d/kernel": np.ones(2),
+                            "0/net/e/kernel": np.ones(3)})
+    posthoc.write_snapshot(tmp_path, 20, [6.9], 1,
+                           {"0/net/d/kernel": np.ones(2)})
+    for gamma in ("3", float("nan"), -2.0, True, None):
+        with pytest.raises(InvalidArgumentError,
+                           match=f"`gamma` must be a finite number above "
+                           f".*Received: gamma={re.escape(repr(gamma))}$"):
+            posthoc.synthesize(tmp_path, gamma)
+    with pytest.raises(InvalidArgumentError,
+                       match="`directory` must be the path.*directory=None"):
+        posthoc.synthesize(None, 3.0)
+    # The earlier snapshot holds a variable the last one has not.
+    with pytest.raises(InvalidArgumentError, match="variables \\['net/e/"
+                       "kernel'\\] of .*phema-000000010.npz are not in "
+                       ".*phema-000000020.npz: the snapshots do not come "
+                       "from one model"):
+        posthoc.synthesize(tmp_path, 3.0)
 
 
 def test_post_hoc_errors_are_typed(tmp_path):

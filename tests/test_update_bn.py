@@ -296,6 +296,14 @@ def test_update_bn_refuses_data_without_samples():
         np.testing.assert_array_equal(to_numpy(v), value)
 
 
+def test_update_bn_refuses_no_inputs():
+    """Keras' data adapter failed on None with a bare KeyError."""
+    model = _mlp()
+    with pytest.raises(InvalidArgumentError, match=(
+            r"update_bn: `x` must be the inputs.*Received: x=None")):
+        keras_ema_opt.update_bn(model, None)
+
+
 @pytest.mark.parametrize("model", [None, "model", np.ones((2, 3))])
 def test_update_bn_refuses_what_is_not_a_model(model):
     with pytest.raises(InvalidArgumentError, match=r"(?s)`model` must be a "

@@ -117,6 +117,12 @@ def update_bn(model, x, batch_size=None, steps=None, all_processes=True):
             "update_bn: `model` must be a Keras model (or layer) holding "
             f"BatchNormalization layers. Received: {model!r} of type "
             f"{type(model).__name__}.")
+    if x is None:
+        raise InvalidArgumentError(
+            "update_bn: `x` must be the inputs to recompute the statistics "
+            "on, as `model.fit` takes them (arrays, a dict or list of them, "
+            "a tf.data.Dataset, a PyDataset, a DataLoader or a generator). "
+            "Received: x=None")
     _check_count("steps", steps)
     _check_count("batch_size", batch_size)
     if not isinstance(all_processes, bool):

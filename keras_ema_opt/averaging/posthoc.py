@@ -20,6 +20,7 @@ import glob
 import itertools
 import json
 import math
+import numbers
 import os
 import re
 import warnings
@@ -54,15 +55,52 @@ def solve_coefficients(in_t, in_gamma, out_t, out_gamma):
     Returns:
         ``(n, m)`` float64 coefficients; each column sums to 1 (EDM2
         renormalises the columns, so a constant is reproduced exactly).
+
+    Raises:
+        InvalidArgumentError: steps and exponents of other lengths, none,
+            not finite, a step not above 0, or an exponent not above -1/2
+            (a profile ``t^gamma`` on ``[0, t]`` is square-integrable only
+            there).
     """
-    in_t = np.asarray(in_t, np.float64).reshape(-1, 1)
-    in_gamma = np.asarray(in_gamma, np.float64).reshape(-1, 1)
-    out_t = np.asarray(out_t, np.float64).reshape(1, -1)
-    out_gamma = np.asarray(out_gamma, np.float64).reshape(1, -1)
+    in_t, in_gamma = _profiles("in", in_t, in_gamma)
+    out_t, out_gamma = _profiles("out", out_t, out_gamma)
+    in_t, in_gamma = in_t.reshape(-1, 1), in_gamma.reshape(-1, 1)
+    out_t, out_gamma = out_t.reshape(1, -1), out_gamma.reshape(1, -1)
     a = profile_inner_product(in_t, in_gamma, in_t.T, in_gamma.T)
     b = profile_inner_product(in_t, in_gamma, out_t, out_gamma)
     x = np.linalg.lstsq(a, b, rcond=None)[0]
     return x / np.sum(x, axis=0, keepdims=True)
+
+
+def _profiles(side, t, gamma):
+    """``(t, gamma)`` of power-function profiles as float64 vectors of one
+    length, each profile one that EDM2's inner products are defined on."""
+    arrays = []
+    for name, value in ((f"{side}_t", t), (f"{side}_gamma", gamma)):
+        try:
+            array = np.asarray(value, np.float64)
+        except (TypeError, ValueError) as e:
+            raise InvalidArgumentError(
+                f"`{name}` must be numbers (a scalar or a 1-D sequence). "
+                f"Received: {name}={value!r}") from e
+        if array.ndim > 1 or not np.isfinite(array).all():
+            raise InvalidArgumentError(
+                f"`{name}` must be finite numbers (a scalar or a 1-D "
+                f"sequence). Received: {name}={value!r}")
+        arrays.append(array.reshape(-1))
+    t, gamma = arrays
+    if t.size == 0 or t.size != gamma.size:
+        raise InvalidArgumentError(
+            f"`{side}_t` and `{side}_gamma` must hold one step and one "
+            f"exponent for each profile, at least one. Received: "
+            f"{t.size} steps and {gamma.size} exponents.")
+    if (t <= 0).any() or (gamma <= -0.5).any():
+        raise InvalidArgumentError(
+            f"Each profile must end at a step above 0 with an exponent "
+            "above -1/2 (t^gamma on [0, t] is square-integrable only "
+            f"there; EDM2 fits the snapshots of 0 < t_i). Received: "
+            f"{side}_t={t.tolist()}, {side}_gamma={gamma.tolist()}")
+    return t, gamma
 
 
 def write_snapshot(directory, step, gammas, every, arrays):
@@ -592,6 +630,17 @@ def synthesize(directory, gamma, step=None):
     # the former one until its first update under the new). A snapshot
     # before the first update has no power-function profile to fit: EDM2
     # keeps the snapshots of 0 < t_i <= t.
+    if not isinstance(directory, (str, os.PathLike)):
+        raise InvalidArgumentError(
+            "`directory` must be the path (str or os.PathLike) of the "
+            "folder PowerEMA wrote its snapshots to. Received: "
+            f"directory={directory!r}")
+    if isinstance(gamma, (bool, np.bool_)) or not isinstance(
+            gamma, numbers.Real) or not np.isfinite(gamma) or gamma <= -0.5:
+        raise InvalidArgumentError(
+            "`gamma` must be a finite number above -1/2, the exponent of "
+            "the power EMA to synthesize (schedules.sigma_rel_to_gamma "
+            f"converts a sigma_rel). Received: gamma={gamma!r}")
     if not os.path.isdir(directory):
         raise InvalidArgumentError(
             f"The snapshot folder {directory!r} does not exist"
@@ -655,8 +704,15 @@ def synthesize(directory, gamma, step=None):
         arrays = _read_arrays(path)
         # A model saved and loaded again (or built again in another
         # process) may name the same variables under another model name.
-        names = align_paths(shapes, [key.split("/", 1)[1] for key in arrays
-                                     if key.startswith("0/")]) or {}
+        held = [key.split("/", 1)[1] for key in arrays
+                if key.startswith("0/")]
+        names = align_paths(shapes, held) or {}
+        extra = sorted(set(held) - {names.get(n, n) for n in shapes})
+        if extra:
+            raise InvalidArgumentError(
+                f"Snapshot variables {_elided(extra, 3, 2)} of {path} are "
+                f"not in {last_path}: the snapshots do not come from one "
+                "model.")
         for slot in range(len(meta["gammas"])):
             for name, shape in shapes.items():
                 here = names.get(name, name)

@@ -1,6 +1,7 @@
 """Averaging strategies: what average to keep, as configuration plus a pure
 decay rule. The state and the update live in ``engine.py``."""
 
+import collections.abc
 import inspect
 import numbers
 
@@ -428,7 +429,8 @@ class PowerEMA(Averaging):
         super().__init__(start_step=0, every=every,
                          average_dtype=average_dtype, finalize=finalize,
                          **kwargs)
-        if isinstance(sigma_rels, numbers.Real):
+        if isinstance(sigma_rels, (numbers.Real, str, bytes)) or not (
+                isinstance(sigma_rels, collections.abc.Iterable)):
             raise InvalidArgumentError(
                 "`sigma_rels` must be a sequence of widths, e.g. "
                 f"(0.05, 0.10). Received: sigma_rels={sigma_rels!r}")
