@@ -110,8 +110,8 @@ def _learning_rate(value):
         )
     from keras_ema_opt.compat import configs
 
-    return configs._schedule({"class_name": name,
-                              "config": configs._plain(value.get_config())})
+    return configs.schedule_from_keras2(
+        {"class_name": name, "config": configs._plain(value.get_config())})
 
 
 def _without_unnamed_schedule(config):
@@ -714,10 +714,19 @@ class Optimizer(backend.OptimizerHooks, keras.optimizers.Optimizer):
         """Build an optimizer from ``get_config()``'s output.
 
         Keras 2 configs work too: ``is_legacy_optimizer`` is dropped and
-        serialized learning-rate schedules are rebuilt.
+        serialized learning-rate schedules are rebuilt, also in the form
+        tf.keras 2.11 and 2.12 wrote (no ``"module"``; a user's schedule
+        found in ``custom_objects`` or Keras 3's registry).
         """
+        config = dict(config)
+        rate = config.get("learning_rate")
+        if isinstance(rate, dict) and "module" not in rate:
+            from keras_ema_opt.compat import configs
+
+            config["learning_rate"] = configs.schedule_from_keras2(
+                rate, custom_objects)
         return super().from_config(
-            _without_unnamed_schedule(dict(config)),
+            _without_unnamed_schedule(config),
             custom_objects=custom_objects)
 
     # ------------------------------------------------------------------
@@ -834,16 +843,19 @@ class Optimizer(backend.OptimizerHooks, keras.optimizers.Optimizer):
             layout: Keras 3 tensor layout (keyword only).
 
         Returns:
-            A ``keras.Variable``, tracked in ``optimizer.variables``.
+            A ``keras.Variable``, tracked in ``optimizer.variables``; on
+            TensorFlow with ``tf.Variable``'s ``scatter_add``,
+            ``sparse_read`` and the like too, as Keras 2's slots had them
+            (tf_keras' own SGD calls ``m.scatter_add`` on a sparse step).
         """
-        return super().add_variable(
+        return backend.optimizer_variable(super().add_variable(
             shape=() if shape is None else shape,
             initializer=initializer,
             dtype=dtype,
             aggregation=aggregation,
             layout=layout,
             name=name,
-        )
+        ))
 
     def add_variable_from_reference(
         self,
@@ -1092,6 +1104,12 @@ class Optimizer(backend.OptimizerHooks, keras.optimizers.Optimizer):
                     "apply_gradients() takes an iterable of (gradient, "
                     f"variable) pairs. Received the item {pair!r} of type "
                     f"{type(pair).__name__}.")
+        if not self.built:
+            # On every variable given, as Keras 2 built it: one whose
+            # gradient is None at this first step has its state when a
+            # later step gives it one (built on the others alone, the
+            # optimizer refused it then).
+            self._build_for_minimize([v for _, v in grads_and_vars])
         grads_and_vars = _filter_empty_gradients(grads_and_vars)
         made = []
         if aggregate and not skip_gradients_aggregation:

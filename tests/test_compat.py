@@ -5,6 +5,7 @@ came from."""
 import keras
 import numpy as np
 import pytest
+from conftest import only_on
 from conftest import to_numpy
 
 import keras_ema_opt
@@ -12,6 +13,7 @@ from keras_ema_opt.compat import LegacyAdagrad
 from keras_ema_opt.compat import LegacyNadam
 from keras_ema_opt.compat import LegacyRMSprop
 from keras_ema_opt.compat import from_legacy_config
+from keras_ema_opt.errors import InvalidArgumentError
 from keras_ema_opt.errors import LegacyConfigError
 
 tf_keras = pytest.importorskip("tf_keras")
@@ -168,6 +170,126 @@ def test_legacy_loss_scale_counts_skipped_steps_like_tf_keras(tmp_path):
         assert int(to_numpy(opt.iterations)) == int(theirs.iterations) == 4
         np.testing.assert_allclose(to_numpy(var), tf_var.numpy(),
                                    rtol=1e-6)
+
+
+def _keras2_loop(optimizer, variable, batches, traced):
+    """Keras 2's custom mixed-precision loop (the TensorFlow guide's):
+    the scaled loss's gradients, unscaled, applied."""
+    def step(x):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean(tf.matmul(x, variable) ** 2)
+            scaled = optimizer.get_scaled_loss(loss)
+        grads = tape.gradient(scaled, [variable])
+        grads = optimizer.get_unscaled_gradients(grads)
+        optimizer.apply_gradients(zip(grads, [variable]))
+
+    step = tf.function(step) if traced else step
+    for x in batches:
+        step(tf.constant(x))
+    return (np.asarray(variable.numpy()), int(optimizer.iterations),
+            float(optimizer.loss_scale), int(optimizer.dynamic_counter))
+
+
+@only_on("tensorflow")
+@pytest.mark.parametrize("inner", ["ours", "keras"])
+@pytest.mark.parametrize("traced", [False, True])
+def test_legacy_loss_scale_runs_keras2_custom_loop(inner, traced):
+    """get_scaled_loss / get_unscaled_gradients / apply_gradients of
+    unscaled gradients, beside tf_keras' wrapper: Keras 3's had neither
+    method, and divides what it is given by the scale. Traced before the
+    first step (the scale variable is read, not the initial value), with
+    an overflowing step (skipped, counted) and the scale growing."""
+    rng = np.random.RandomState(0)
+    start = rng.randn(3, 2).astype("float32")
+    batches = rng.randn(6, 4, 3).astype("float32")
+    batches[2] *= 1e36  # the loss overflows float32
+    theirs = _keras2_loop(tf_keras.mixed_precision.LossScaleOptimizer(
+        tf_keras.optimizers.Adam(0.1), dynamic_growth_steps=2),
+        tf.Variable(start), batches, traced)
+    adam = (keras_ema_opt.Adam if inner == "ours" else keras.optimizers.Adam)
+    ours = _keras2_loop(keras_ema_opt.compat.LegacyLossScaleOptimizer(
+        adam(0.1), dynamic_growth_steps=2), keras.Variable(start), batches,
+        traced)
+    assert ours[1:] == theirs[1:] == (6, 65536.0, 1)
+    np.testing.assert_allclose(ours[0], theirs[0], rtol=1e-6)
+
+
+def test_legacy_loss_scale_minimize_equals_tf_keras():
+    """Keras 2's minimize on the wrapper scales and unscales itself."""
+    if keras.backend.backend() == "jax":
+        pytest.skip("Keras 3's LossScaleOptimizer steps eagerly on JAX "
+                    "neither (its own stateful `cond`): inside fit() or a "
+                    "stateless step there")
+    start = np.array([1.0, -2.0, 3.0], "float32")
+    ours_v, tf_var = keras.Variable(start), tf.Variable(start)
+    ours = keras_ema_opt.compat.LegacyLossScaleOptimizer(
+        keras_ema_opt.Adam(0.1), dynamic_growth_steps=2)
+    theirs = tf_keras.mixed_precision.LossScaleOptimizer(
+        tf_keras.optimizers.Adam(0.1), dynamic_growth_steps=2)
+    for i in range(1, 5):
+        ours.minimize(lambda: keras.ops.sum(ours_v * ours_v * i), [ours_v])
+        theirs.minimize(lambda: tf.reduce_sum(tf_var * tf_var * i), [tf_var])
+    np.testing.assert_allclose(to_numpy(ours_v), tf_var.numpy(), rtol=1e-6)
+    assert int(to_numpy(ours.iterations)) == 4
+    assert float(to_numpy(ours.loss_scale)) == float(theirs.loss_scale) == (
+        2.0**17)
+    if keras.backend.backend() == "tensorflow":  # a tensor loss and a tape
+        with tf.GradientTape() as tape:
+            loss = keras.ops.sum(ours_v * ours_v)
+        ours.minimize(loss, [ours_v], tape=tape)
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(tf_var * tf_var)
+        theirs.minimize(loss, [tf_var], tape=tape)
+        np.testing.assert_allclose(to_numpy(ours_v), tf_var.numpy(),
+                                   rtol=1e-6)
+
+
+def test_legacy_loss_scale_keras2_methods_and_variables():
+    ours = keras_ema_opt.compat.LegacyLossScaleOptimizer(
+        keras.optimizers.SGD(0.1), initial_scale=None,
+        dynamic_growth_steps=None)  # Keras 2's None: the defaults
+    assert ours.dynamic and ours.initial_scale == 2.0**15
+    assert ours.dynamic_growth_steps == 2000
+    # Exists before the first step (Keras 2's did; Keras 3 makes it then).
+    assert float(to_numpy(ours.loss_scale)) == 2.0**15
+    assert int(to_numpy(ours.dynamic_counter)) == 0
+    loss = keras.ops.convert_to_tensor(np.float32(1.5))
+    assert float(to_numpy(ours.get_scaled_loss(loss))) == 1.5 * 2.0**15
+    assert float(to_numpy(ours.get_scaled_loss(lambda: loss)())) == (
+        1.5 * 2.0**15)
+    grads = ours.get_unscaled_gradients(
+        [keras.ops.convert_to_tensor(np.float32([2.0**16])), None])
+    assert grads[1] is None and float(to_numpy(grads[0])[0]) == 2.0
+    # The same variables, in the same order, as Keras 3's wrapper after a
+    # build: files written by either load into the other.
+    w = keras.Variable(np.ones(2, "float32"), name="w")
+    keras_own = keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(
+        0.1, momentum=0.5))
+    ours = keras_ema_opt.compat.LegacyLossScaleOptimizer(
+        keras.optimizers.SGD(0.1, momentum=0.5))
+    for opt in (keras_own, ours):
+        opt.build([w])
+    assert [v.path.split("/", 1)[1] for v in ours.variables] == [
+        v.path.split("/", 1)[1] for v in keras_own.variables]
+    with pytest.raises(InvalidArgumentError,
+                       match="second is `initial_scale`.*initial_scale=True"):
+        keras_ema_opt.compat.LegacyLossScaleOptimizer(
+            keras.optimizers.SGD(), True)
+    with pytest.raises(ValueError, match="dynamic=False"):
+        keras_ema_opt.compat.LegacyLossScaleOptimizer(
+            keras.optimizers.SGD(), dynamic=False, initial_scale=8.0)
+
+
+@only_on("tensorflow")
+def test_legacy_loss_scale_unscales_sparse_gradients():
+    ours = keras_ema_opt.compat.LegacyLossScaleOptimizer(
+        keras.optimizers.SGD(1.0), initial_scale=4.0)
+    grad = tf.IndexedSlices(tf.constant([[8.0, 4.0]]), tf.constant([1]),
+                            tf.constant([3, 2]))
+    (unscaled,) = ours.get_unscaled_gradients([grad])
+    assert isinstance(unscaled, tf.IndexedSlices)
+    np.testing.assert_array_equal(unscaled.values.numpy(), [[2.0, 1.0]])
+    np.testing.assert_array_equal(unscaled.indices.numpy(), [1])
 
 
 def test_string_identifiers_and_old_lr_key():

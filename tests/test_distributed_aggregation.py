@@ -36,6 +36,20 @@ def test_mirrored_strategy_sums_replicas_like_tf_keras():
     assert result["skip_mean"]["ours"] == [[-1.5, -1.5]] * 2
     assert result["skip_mean"]["ours"] == result["skip_mean"]["tf_keras"]
     assert result["aggregate"] == [[3.0, 3.0]] * 2
+    # Built by the first apply_gradients of a custom loop's strategy.run in
+    # a tf.function: the variables made in that trace failed the step
+    # ("You must feed a value for placeholder tensor"), as Keras 3's own;
+    # tf_keras built them under tf.init_scope(), as ours now does.
+    import numpy as np
+
+    for label in ("built_in_step", "built_in_step_ema"):
+        ours, theirs = (result[label][k] for k in ("ours", "tf_keras"))
+        assert ours[-1] == theirs[-1] == 3
+        assert len(ours) == len(theirs) == (
+            3 if label.endswith("ema") else 2)
+        for a, b in zip(ours[:-1], theirs[:-1]):
+            assert len(a) == 2  # each replica's copy
+            np.testing.assert_allclose(a, b, rtol=1e-6)
 
 
 @only_on("tensorflow")

@@ -197,6 +197,33 @@ def test_a_none_gradient_is_dropped_with_keras2_warning():
     assert ours == theirs == ([1.0, pytest.approx(1.9)], 1)
 
 
+@pytest.mark.parametrize("use_ema", [False, True])
+def test_a_variable_without_gradient_at_the_first_step_trains_later(use_ema):
+    """Keras 2 built the optimizer on every variable given, then dropped
+    the None gradients: a variable first given without a gradient (a head
+    not used by the first batch) trains at the next step. Built on the
+    others alone, the optimizer refused it there."""
+    def run(module, make, tensor):
+        w, v = make([1.0, 1.0]), make([1.0, 1.0])
+        opt = module.Adam(0.1, use_ema=use_ema, ema_momentum=0.5)
+        opt.apply_gradients([(tensor([1.0, 1.0]), w), (None, v)])
+        v.assign([5.0, 5.0])  # moved outside the optimizer: in the average
+        opt.apply_gradients([(tensor([1.0, 1.0]), w),
+                             (tensor([1.0, -1.0]), v)])
+        opt.apply_gradients([(tensor([1.0, 1.0]), w), (None, v)])
+        averages = opt._model_variables_moving_average if use_ema else []
+        return [np.asarray(x.numpy()) for x in [w, v, *averages]]
+
+    theirs = run(tf_keras.optimizers, tf.Variable, tf.constant)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the None gradients' warning
+        ours = run(keras_ema_opt, keras.Variable,
+                   keras.ops.convert_to_tensor)
+    assert len(ours) == len(theirs) == (4 if use_ema else 2)
+    for a, b in zip(ours, theirs):
+        np.testing.assert_allclose(to_numpy(a), b, rtol=1e-6)
+
+
 def test_minimize_with_an_unused_variable_equals_tf_keras():
     def run(module, make):
         w, unused = make(3.0), make(1.0)
@@ -316,6 +343,22 @@ def test_a_tf_keras_config_with_a_schedule_trains_as_tf_keras():
     config = theirs.get_config()
     assert config["learning_rate"]["config"]["name"] is None  # the trap
     ours = keras_ema_opt.Adam.from_config(config)
+    for a, b in zip(*_train_both(ours, theirs, INIT, steps=4)):
+        np.testing.assert_allclose(a, b, rtol=1e-6)
+
+
+def test_a_tf_keras_2_12_config_with_a_schedule_trains_as_tf_keras():
+    """tf.keras 2.11 and 2.12 serialized a schedule without "module" (the
+    legacy format): the class method refused it, as Keras 3 looks it up
+    by module."""
+    schedule = tf_keras.optimizers.schedules.ExponentialDecay(0.1, 2, 0.5)
+    theirs = tf_keras.optimizers.Adam(schedule, jit_compile=False)
+    config = theirs.get_config()
+    config["learning_rate"] = tf_keras.optimizers.schedules.serialize(
+        schedule, use_legacy_format=True)
+    assert "module" not in config["learning_rate"]
+    ours = keras_ema_opt.Adam.from_config(config)
+    assert type(ours._learning_rate).__name__ == "ExponentialDecay"
     for a, b in zip(*_train_both(ours, theirs, INIT, steps=4)):
         np.testing.assert_allclose(a, b, rtol=1e-6)
 

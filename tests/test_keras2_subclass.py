@@ -5,6 +5,7 @@ matches the same class running on tf_keras."""
 import keras
 import numpy as np
 import pytest
+from conftest import only_on
 from conftest import to_numpy
 
 import keras_ema_opt
@@ -73,6 +74,71 @@ def test_keras2_subclass_matches_tf_keras():
         theirs._model_variables_moving_average[0].numpy(), rtol=1e-6,
     )
     assert ours.name == "MomentumSGD"
+
+
+def keras2_sparse_momentum(base):
+    """tf_keras' own SGD's sparse branch: ``tf.Variable`` methods called on
+    the slots (``scatter_add``) and read back (``sparse_read``)."""
+
+    class SparseMomentum(base):
+        def __init__(self, learning_rate=0.1, name="SparseMomentum",
+                     **kwargs):
+            super().__init__(name=name, **kwargs)
+            self._learning_rate = self._build_learning_rate(learning_rate)
+
+        def build(self, var_list):
+            super().build(var_list)
+            if getattr(self, "_built", False):
+                return
+            self._built = True
+            self.ms = [self.add_variable_from_reference(v, "m")
+                       for v in var_list]
+
+        def update_step(self, gradient, variable):
+            m = self.ms[self._index_dict[self._var_key(variable)]]
+            lr = tf.cast(self.learning_rate, variable.dtype)
+            m.assign(0.9 * m)
+            m.scatter_add(tf.IndexedSlices(-gradient.values * lr,
+                                           gradient.indices))
+            rows = m.sparse_read(gradient.indices)
+            variable.scatter_add(tf.IndexedSlices(rows, gradient.indices))
+
+    return SparseMomentum
+
+
+@only_on("tensorflow")
+@pytest.mark.parametrize("use_ema", [False, True])
+def test_keras2_subclass_calling_tf_variable_methods_on_its_slots(
+        use_ema, tmp_path):
+    """Keras 3's variables have no ``scatter_add``: the step failed with an
+    AttributeError. Saved and loaded again, the slots keep them."""
+    init = np.arange(8, dtype="float32").reshape(4, 2)
+    ours_v, theirs_v = keras.Variable(init), tf.Variable(init)
+    ours = keras2_sparse_momentum(keras_ema_opt.Optimizer)(
+        use_ema=use_ema, ema_momentum=0.5)
+    theirs = keras2_sparse_momentum(tf_keras.optimizers.Optimizer)(
+        use_ema=use_ema, ema_momentum=0.5, jit_compile=False)
+    for rows in ([0, 2], [2, 3], [0, 2]):
+        grad = tf.IndexedSlices(tf.ones((2, 2)), tf.constant(rows),
+                                tf.constant([4, 2]))
+        ours.apply_gradients([(grad, ours_v)])
+        theirs.apply_gradients([(grad, theirs_v)])
+    np.testing.assert_allclose(to_numpy(ours_v), theirs_v.numpy(),
+                               rtol=1e-6)
+    np.testing.assert_allclose(to_numpy(ours.ms[0]), theirs.ms[0].numpy(),
+                               rtol=1e-6)
+    if use_ema:
+        np.testing.assert_allclose(
+            to_numpy(ours._model_variables_moving_average[0]),
+            theirs._model_variables_moving_average[0].numpy(), rtol=1e-6)
+    assert isinstance(ours.ms[0], keras.Variable)
+    # A checkpoint restores into the slots as into any variable.
+    checkpoint = tf.train.Checkpoint(opt=ours)
+    saved = checkpoint.write(str(tmp_path / "ckpt"))
+    before = to_numpy(ours.ms[0])
+    ours.ms[0].assign(np.zeros((4, 2), "float32"))
+    checkpoint.read(saved).assert_consumed()
+    np.testing.assert_array_equal(to_numpy(ours.ms[0]), before)
 
 
 def test_keras2_subclass_config_round_trip_and_schedule():

@@ -19,6 +19,11 @@ here. Each backend module provides the same set:
 - ``prepare_gradients(grads)``: backend-specific gradient clean-up (sparse
   de-duplication on TensorFlow).
 - ``colocate_with(variable)``: a context placing new state beside a variable.
+- ``scale_gradient(grad, factor)``: a gradient times a scalar in its dtype
+  (TensorFlow: a sparse gradient's values).
+- ``optimizer_variable(variable)``: an optimizer's new variable as Keras 2
+  code may use it (TensorFlow: with ``tf.Variable``'s ``scatter_add``,
+  ``sparse_read`` and the like, which Keras 2's slots had).
 - ``assign_copy(optimizer, variable, value)``: assign a value that shares no
   buffer with its source.
 - ``sync_training_state(model)``: make the variables current in the middle of
@@ -131,6 +136,8 @@ compute_gradients = _impl.compute_gradients
 aggregate_gradients = _impl.aggregate_gradients
 prepare_gradients = _impl.prepare_gradients
 colocate_with = _impl.colocate_with
+optimizer_variable = _impl.optimizer_variable
+scale_gradient = _impl.scale_gradient
 assign_copy = _impl.assign_copy
 sync_training_state = _impl.sync_training_state
 value_visible = _impl.value_visible
@@ -162,6 +169,8 @@ __all__ = [
     "aggregate_gradients",
     "assign_copy",
     "colocate_with",
+    "optimizer_variable",
+    "scale_gradient",
     "compiled_apply",
     "compute_gradients",
     "keras_optimizer_class",

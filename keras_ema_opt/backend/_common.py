@@ -81,6 +81,17 @@ def check_no_tape(tape, backend_name):
         )
 
 
+def scale_gradient(grad, factor):
+    """``grad`` times a scalar ``factor``, in the gradient's dtype."""
+    return keras.ops.multiply(grad, keras.ops.cast(factor, grad.dtype))
+
+
+def optimizer_variable(variable):
+    """An optimizer's new variable, as it is (TensorFlow adds
+    ``tf.Variable``'s methods for Keras 2 code)."""
+    return variable
+
+
 def value_visible(variable):
     """Whether reading ``variable`` now gives its current value (always,
     where variables are stateful)."""

@@ -17,6 +17,8 @@ from keras_ema_opt.backend import _common
 from keras_ema_opt.backend import _jax_cpu
 
 colocate_with = _common.no_placement
+optimizer_variable = _common.optimizer_variable
+scale_gradient = _common.scale_gradient
 assign_copy = _common.assign_copy
 current_value = _common.current_value
 prepare_gradients = _common.prepare_gradients

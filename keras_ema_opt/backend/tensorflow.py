@@ -106,6 +106,56 @@ class OptimizerHooks:
         return super()._all_reduce_sum_gradients(grads_and_vars)
 
 
+# tf.Variable's methods a Keras 2 optimizer called on its slots (tf_keras'
+# own SGD and Adam: `m.scatter_add(...)` for sparse gradients), which
+# Keras 3's variables lack.
+_TF_VARIABLE_METHODS = (
+    "scatter_add", "scatter_sub", "scatter_update", "scatter_max",
+    "scatter_min", "scatter_mul", "scatter_div", "batch_scatter_update",
+    "scatter_nd_add", "scatter_nd_sub", "scatter_nd_update",
+    "scatter_nd_max", "scatter_nd_min", "sparse_read", "gather_nd",
+    "read_value")
+
+
+def _delegate(name):
+    def method(self, *args, **kwargs):
+        return getattr(self.value, name)(*args, **kwargs)
+
+    method.__name__ = name
+    method.__doc__ = f"``tf.Variable.{name}`` of the variable's value."
+    return method
+
+
+class _Keras2SlotVariable(keras.Variable):
+    """A Keras 3 variable with ``tf.Variable``'s sparse and read methods
+    (``scatter_add``, ``sparse_read``, ...), run on its ``tf.Variable`` (a
+    distributed one under a strategy), as Keras 2's slots had them."""
+
+
+for _name in _TF_VARIABLE_METHODS:
+    setattr(_Keras2SlotVariable, _name, _delegate(_name))
+
+
+def scale_gradient(grad, factor):
+    """``grad`` times a scalar ``factor`` in its dtype; a sparse gradient's
+    values (Keras 2's ``_multiply_gradient``)."""
+    factor = tf.cast(factor, grad.dtype)
+    if isinstance(grad, tf.IndexedSlices):
+        return tf.IndexedSlices(grad.values * factor, grad.indices,
+                                dense_shape=grad.dense_shape)
+    return grad * factor
+
+
+def optimizer_variable(variable):
+    """An optimizer's new variable as Keras 2 code may use it: with
+    ``tf.Variable``'s methods. The instance is given the subclass that
+    adds them (no state of its own: the same object, tracked and saved as
+    before)."""
+    if type(variable) is keras.Variable:
+        variable.__class__ = _Keras2SlotVariable
+    return variable
+
+
 def build_scope():
     """Create the optimizer state eagerly, even from a traced step.
 
@@ -117,10 +167,13 @@ def build_scope():
     and a ``cond``: about a third of the step on a 60-layer MLP. Created
     under ``tf.init_scope()`` (as Keras creates its deferred variables),
     the state exists before the step runs and the step is traced once.
-    Under a ``tf.distribute`` strategy the strategy places the variables
-    (Keras builds there before tracing).
+    Under a ``tf.distribute`` strategy too (Keras' ``fit()`` builds there
+    before tracing; a custom loop's first ``apply_gradients`` in
+    ``strategy.run`` inside a ``tf.function`` builds in the trace, and
+    the variables made there failed the step, as Keras 3's own; tf_keras
+    built under ``tf.init_scope()`` as here).
     """
-    if tf.inside_function() and not tf.distribute.has_strategy():
+    if tf.inside_function():
         return tf.init_scope()
     return contextlib.nullcontext()
 

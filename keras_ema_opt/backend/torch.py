@@ -9,6 +9,8 @@ import torch
 from keras_ema_opt.backend import _common
 
 colocate_with = _common.no_placement
+optimizer_variable = _common.optimizer_variable
+scale_gradient = _common.scale_gradient
 check_build = _common.check_build
 host_array = _common.host_array
 forward_spans_processes = _common.forward_spans_processes

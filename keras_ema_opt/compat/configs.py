@@ -112,7 +112,7 @@ def from_legacy_config(config, custom_objects=None):
         inner.setdefault("learning_rate", inner.pop("lr"))
         inner.pop("lr", None)
     if isinstance(inner.get("learning_rate"), dict):
-        inner["learning_rate"] = _schedule(inner["learning_rate"],
+        inner["learning_rate"] = schedule_from_keras2(inner["learning_rate"],
                                            custom_objects)
     cls = _class_for(class_name, inner, v2, custom_objects)
     try:
@@ -254,7 +254,7 @@ def without_unnamed(config):
     return config
 
 
-def _schedule(config, custom_objects=None):
+def schedule_from_keras2(config, custom_objects=None):
     """A learning-rate schedule from its Keras 2 serialization. A user's
     class is found in ``custom_objects`` under its registered name
     (``"my>Halve"``, as SavedModels store it) or its class name, or among

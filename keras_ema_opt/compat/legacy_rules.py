@@ -18,8 +18,11 @@ OptimizerV2's config), averaging.
 
 import keras
 import numpy as np
+from keras import initializers
 from keras import ops
+from keras.src.utils import tracking
 
+from keras_ema_opt import backend
 from keras_ema_opt.errors import InvalidArgumentError
 from keras_ema_opt.optimizer import Optimizer
 from keras_ema_opt.optimizers import AveragedLossScaleOptimizer
@@ -254,8 +257,8 @@ def nadam_u_product(beta_1, iterations):
 
 @_register
 class LegacyLossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
-    """Keras 3's ``LossScaleOptimizer`` counting its skipped steps, as
-    Keras 2's did.
+    """Keras 3's ``LossScaleOptimizer`` with Keras 2's: skipped steps
+    counted, and the custom-loop methods.
 
     A step whose gradients are not finite is skipped by both: the weights
     and slots stay, the scale halves. Keras 2's wrapper (OptimizerV2's
@@ -271,15 +274,184 @@ class LegacyLossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
     shift the accumulation's cycle. ``keras_ema_opt.averaged()`` of one
     gives an ``AveragedLegacyLossScaleOptimizer``, which keeps counting.
 
+    Keras 2's custom training loop runs unchanged: ``get_scaled_loss``,
+    ``get_unscaled_gradients``, then ``apply_gradients`` of the unscaled
+    gradients (Keras 3's ``apply`` divides the gradients it is given by the
+    scale, as ``fit()`` gives them scaled: after ``get_unscaled_gradients``
+    the next step takes them as they are); ``compute_gradients`` and
+    ``minimize`` scale and unscale themselves; ``loss_scale``,
+    ``dynamic_counter`` and ``dynamic``. The scale and its counter exist
+    from construction, as Keras 2's did, so that a step traced before the
+    first ``apply_gradients`` reads the scale variable, not the initial
+    value (Keras 3 makes them at ``build``).
+
+    Args:
+        inner_optimizer: The optimizer to wrap.
+        initial_scale: The first loss scale (``None``: Keras 2's default,
+            ``2 ** 15``).
+        dynamic_growth_steps: Finite steps before the scale doubles
+            (``None``: ``2000``).
+        name, **kwargs: Keras 3's; ``dynamic=False`` is refused, as by
+            Keras 3 (a fixed scale is the inner optimizer's
+            ``loss_scale_factor``).
+
     Example:
 
     ```python
     import keras
+    import numpy as np
     from keras_ema_opt.compat import LegacyLossScaleOptimizer
 
-    optimizer = LegacyLossScaleOptimizer(keras.optimizers.Adam(1e-3))
+    w = keras.Variable(np.ones(3, "float32"))
+    optimizer = LegacyLossScaleOptimizer(keras.optimizers.SGD(0.1))
+    optimizer.minimize(lambda: keras.ops.sum(w * w), [w])  # as in Keras 2
+    np.testing.assert_allclose(keras.ops.convert_to_numpy(w), 0.8)
     ```
     """
+
+    def __init__(self, inner_optimizer, initial_scale=2.0**15,
+                 dynamic_growth_steps=2000, name=None, **kwargs):
+        if isinstance(initial_scale, bool):
+            raise InvalidArgumentError(
+                "LegacyLossScaleOptimizer takes Keras 3's arguments: the "
+                "second is `initial_scale` (Keras 2's second was `dynamic`; "
+                "pass it by keyword). Received: "
+                f"initial_scale={initial_scale!r}")
+        super().__init__(
+            inner_optimizer,
+            2.0**15 if initial_scale is None else initial_scale,
+            2000 if dynamic_growth_steps is None else dynamic_growth_steps,
+            name=name, **kwargs)
+        self._make_scale_variables()
+        self._keo_unscale_next = False
+        self._keo_given_unscaled = False
+
+    @tracking.no_automatic_dependency_tracking
+    def _make_scale_variables(self):
+        # Keras 3's `LossScaleOptimizer.build` makes these two, in this
+        # order, right after `iterations` and the learning rate: the
+        # order of `variables` (and of saved files) is the same.
+        self.step_counter = self.add_variable(
+            shape=(), dtype="int", initializer=initializers.Zeros(),
+            aggregation="none", name="step_counter")
+        self.dynamic_scale = self.add_variable(
+            shape=(), dtype="float32",
+            initializer=initializers.Constant(self.initial_scale),
+            aggregation="none", name="dynamic_scale")
+
+    @tracking.no_automatic_dependency_tracking
+    def build(self, var_list):
+        # `LossScaleOptimizer.build` without its two variables (made at
+        # construction).
+        self.inner_optimizer.build(var_list)
+        super(keras.optimizers.LossScaleOptimizer, self).build(var_list)
+
+    # -- Keras 2's custom-loop API -----------------------------------------
+
+    @property
+    def dynamic(self):
+        """Always ``True``: the scale is dynamic (Keras 2's property)."""
+        return True
+
+    @property
+    def loss_scale(self):
+        """The current loss scale, a float32 tensor (Keras 2's property)."""
+        return ops.convert_to_tensor(self.dynamic_scale)
+
+    @property
+    def dynamic_counter(self):
+        """Finite steps since the scale last changed (Keras 2's
+        property): the counter variable."""
+        return self.step_counter
+
+    def scale_loss(self, loss):
+        return ops.multiply(loss, self.dynamic_scale)
+
+    def get_scaled_loss(self, loss):
+        """``loss`` times the loss scale, in the loss's dtype (Keras 2).
+
+        Args:
+            loss: A tensor, or a callable returning one (then a callable).
+        """
+        if callable(loss):
+            def scaled():
+                return self._scaled(loss())
+
+            return scaled
+        return self._scaled(loss)
+
+    def _scaled(self, loss):
+        loss = ops.convert_to_tensor(loss)
+        return ops.multiply(loss, ops.cast(self.loss_scale, loss.dtype))
+
+    def get_unscaled_gradients(self, grads):
+        """The gradients of a scaled loss, each times ``1 / loss_scale``
+        (``None`` kept; sparse gradients' values), as Keras 2 gave them.
+        The next ``apply_gradients`` takes its gradients as unscaled."""
+        reciprocal = ops.divide(1.0, self.loss_scale)
+        unscaled = [None if g is None else backend.scale_gradient(
+            g, reciprocal) for g in grads]
+        self._keo_unscale_next = True
+        return unscaled
+
+    def compute_gradients(self, loss, var_list, tape=None):
+        """Keras 2's: the gradients of the scaled loss, unscaled.
+
+        Args:
+            loss: A callable returning the loss (every backend), or, on
+                TensorFlow, a tensor computed under ``tape``.
+            var_list: Variables, or a callable returning them.
+            tape: A ``tf.GradientTape`` (TensorFlow, with a tensor loss).
+
+        Returns:
+            A list of ``(gradient, variable)`` pairs.
+        """
+        if not callable(loss) and tape is None:
+            raise ValueError(
+                "`tape` is required when a `Tensor` loss is passed. "
+                f"Received: loss={loss}, tape={tape}.")
+        if tape is not None and not callable(loss):
+            with tape:  # the scaling is recorded with the loss
+                scaled = self.get_scaled_loss(loss)
+        else:
+            scaled = self.get_scaled_loss(loss)
+        pairs = backend.compute_gradients(scaled, var_list, tape)
+        grads = self.get_unscaled_gradients([g for g, _ in pairs])
+        return list(zip(grads, [v for _, v in pairs]))
+
+    def minimize(self, loss, var_list, tape=None):
+        """``compute_gradients`` then ``apply_gradients`` (Keras 2)."""
+        return self.apply_gradients(
+            self.compute_gradients(loss, var_list, tape))
+
+    # -- the step ----------------------------------------------------------
+
+    def apply(self, grads, trainable_variables=None):
+        unscaled = self._keo_unscale_next
+        self._keo_unscale_next = False
+        self._keo_given_unscaled = unscaled
+        try:
+            return super().apply(grads, trainable_variables)
+        finally:
+            self._keo_given_unscaled = False
+
+    def stateless_apply(self, optimizer_variables, grads,
+                        trainable_variables):
+        unscaled = self._keo_unscale_next
+        self._keo_unscale_next = False
+        self._keo_given_unscaled = unscaled
+        try:
+            return super().stateless_apply(optimizer_variables, grads,
+                                           trainable_variables)
+        finally:
+            self._keo_given_unscaled = False
+
+    def _overwrite_variable_with_gradient(self, variable):
+        # Keras 3's wrapper divides each gradient by the scale but where
+        # this is true (a variable that takes its gradient as its value);
+        # gradients `get_unscaled_gradients` gave are not divided again.
+        return self.__dict__.get("_keo_given_unscaled", False) or (
+            super()._overwrite_variable_with_gradient(variable))
 
     def _counts_skipped(self):
         return not self.inner_optimizer.gradient_accumulation_steps

@@ -84,4 +84,42 @@ with strategy.scope():
     opt = keras_ema_opt.SGD()
     opt.build([v])
 results["aggregate"] = aggregated(opt, v.value)
+
+
+def built_in_the_step(module, make, **kwargs):
+    """A custom loop's first ``apply_gradients`` in ``strategy.run`` inside
+    a ``tf.function`` builds the optimizer there (three steps; each
+    replica's copy of the weight, and of its average with ``use_ema``)."""
+    with strategy.scope():
+        w = make(np.array([1.0, 2.0, 3.0], "float32"))
+        opt = module.optimizers.Adam(0.1, **kwargs)
+
+    def replica_fn(x):
+        with tf.GradientTape() as tape:
+            # Each replica its own loss: replica_gradient()[0] is 1 or 2.
+            loss = tf.reduce_sum(w * w * x) * replica_gradient()[0]
+        opt.apply_gradients(zip(tape.gradient(loss, [w]), [w]))
+
+    @tf.function
+    def step(x):
+        strategy.run(replica_fn, args=(x,))
+
+    for i in range(3):
+        step(tf.constant(1.0 + i))
+    held = [w] + (opt._model_variables_moving_average
+                  if kwargs.get("use_ema") else [])
+    return [[np.asarray(c).tolist()
+             for c in strategy.experimental_local_results(
+                 v.value if isinstance(v, keras.Variable) else v)]
+            for v in held] + [int(opt.iterations.numpy())]
+
+
+for label, kwargs in [("built_in_step", {}),
+                      ("built_in_step_ema", dict(
+                          use_ema=True, ema_momentum=0.5, clipnorm=0.5,
+                          ema_overwrite_frequency=2))]:
+    results[label] = {
+        "ours": built_in_the_step(keras_ema_opt, keras.Variable, **kwargs),
+        "tf_keras": built_in_the_step(tf_keras, tf.Variable, **kwargs),
+    }
 print(json.dumps(results))
