@@ -358,6 +358,13 @@ class AveragedLossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         ``keras_ema_opt.Optimizer.track_non_trainable``)."""
         return self.inner_optimizer.track_non_trainable(model)
 
+    def apply(self, grads, trainable_variables=None):
+        """Keras 3's step; on JAX an eager one runs as the stateless step
+        (Keras' wrapper steps with a ``cond`` whose branches assign, which
+        JAX traces: its eager ``apply_gradients`` failed)."""
+        if not backend.stateless_step(self, grads, trainable_variables):
+            super().apply(grads, trainable_variables)
+
 
 # ---------------------------------------------------------------------------
 # Keras 2's module functions: tf.keras.optimizers.get / serialize /

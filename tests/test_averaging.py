@@ -849,6 +849,32 @@ def test_averaged_adds_averaging_to_any_optimizer(kind):
         np.testing.assert_allclose(a, expected, rtol=1e-5, atol=1e-6)
 
 
+def test_averaged_loss_scale_optimizer_steps_eagerly_on_every_backend():
+    """apply_gradients of averaged(LossScaleOptimizer(...)), an overflowing
+    step among them, against float64 (on JAX Keras' wrapper raised
+    UnexpectedTracerError: its step is a `cond` whose branches assign)."""
+    w0 = np.array([1.0, -2.0], np.float64)
+    var = keras.Variable(w0.astype("float32"))
+    opt = keras_ema_opt.averaged(keras.optimizers.LossScaleOptimizer(
+        keras.optimizers.SGD(0.1), initial_scale=4.0),
+        keras_ema_opt.EMA(0.5))
+    grads = [np.array([4.0, 8.0]), np.array([np.inf, 1.0]),
+             np.array([-4.0, 2.0])]
+    w, a, scale = w0, w0, 4.0
+    for g in grads:
+        opt.apply_gradients([(keras.ops.convert_to_tensor(
+            (g * scale).astype("float32")), var)])
+        if np.isfinite(g).all():
+            w = w - 0.1 * g
+            a = 0.5 * a + 0.5 * w
+        else:
+            scale /= 2
+    np.testing.assert_allclose(to_numpy(var), w, rtol=1e-6)
+    np.testing.assert_allclose(to_numpy(opt.average_of(var)), a, rtol=1e-6)
+    assert float(to_numpy(opt.dynamic_scale)) == scale == 2.0
+    assert int(to_numpy(opt.iterations)) == 2  # Keras 3 counts no skip
+
+
 class _Halving(keras.optimizers.schedules.LearningRateSchedule):
     """A user's schedule, registered nowhere."""
 

@@ -135,9 +135,8 @@ def test_loss_scale_optimizer_wrapper(dynamic):
 def test_legacy_loss_scale_counts_skipped_steps_like_tf_keras(tmp_path):
     # Keras 2's wrapper counted a step skipped for non-finite gradients in
     # `iterations`; Keras 3's does not. Stepped beside tf_keras' on the
-    # same gradients (the second not finite), eagerly where Keras' own
-    # wrapper steps eagerly (on JAX it steps inside fit(): the migration
-    # tests resume through a skipped step there).
+    # same gradients (the second not finite), eagerly (on JAX through its
+    # stateless step: Keras' own wrapper does not step eagerly there).
     theirs = tf_keras.mixed_precision.LossScaleOptimizer(
         tf_keras.optimizers.Adam(0.1, jit_compile=False),
         initial_scale=4.0)
@@ -153,8 +152,6 @@ def test_legacy_loss_scale_counts_skipped_steps_like_tf_keras(tmp_path):
         averaged))
     assert type(again) is type(averaged)
     assert again.averaging.momentum == 0.5
-    if keras.backend.backend() == "jax":
-        return
     start = np.array([1.0, -2.0], "float32")
     tf_var = tf.Variable(start)
     variables = [keras.Variable(start) for _ in range(2)]
@@ -215,11 +212,9 @@ def test_legacy_loss_scale_runs_keras2_custom_loop(inner, traced):
 
 
 def test_legacy_loss_scale_minimize_equals_tf_keras():
-    """Keras 2's minimize on the wrapper scales and unscales itself."""
-    if keras.backend.backend() == "jax":
-        pytest.skip("Keras 3's LossScaleOptimizer steps eagerly on JAX "
-                    "neither (its own stateful `cond`): inside fit() or a "
-                    "stateless step there")
+    """Keras 2's minimize on the wrapper scales and unscales itself (on
+    JAX too, where Keras 3's wrapper raised UnexpectedTracerError on an
+    eager step: its stateful step is a `cond` that assigns)."""
     start = np.array([1.0, -2.0, 3.0], "float32")
     ours_v, tf_var = keras.Variable(start), tf.Variable(start)
     ours = keras_ema_opt.compat.LegacyLossScaleOptimizer(

@@ -19,6 +19,10 @@ here. Each backend module provides the same set:
 - ``prepare_gradients(grads)``: backend-specific gradient clean-up (sparse
   de-duplication on TensorFlow).
 - ``colocate_with(variable)``: a context placing new state beside a variable.
+- ``stateless_step(optimizer, grads, trainable_variables)``: run an eager
+  step as the optimizer's ``stateless_apply``, its values assigned back,
+  and say whether it did (JAX, for Keras' loss-scale wrappers, whose
+  stateful step JAX cannot run eagerly; False elsewhere).
 - ``scale_gradient(grad, factor)``: a gradient times a scalar in its dtype
   (TensorFlow: a sparse gradient's values).
 - ``optimizer_variable(variable)``: an optimizer's new variable as Keras 2
@@ -138,6 +142,7 @@ prepare_gradients = _impl.prepare_gradients
 colocate_with = _impl.colocate_with
 optimizer_variable = _impl.optimizer_variable
 scale_gradient = _impl.scale_gradient
+stateless_step = _impl.stateless_step
 assign_copy = _impl.assign_copy
 sync_training_state = _impl.sync_training_state
 value_visible = _impl.value_visible
@@ -171,6 +176,7 @@ __all__ = [
     "colocate_with",
     "optimizer_variable",
     "scale_gradient",
+    "stateless_step",
     "compiled_apply",
     "compute_gradients",
     "keras_optimizer_class",

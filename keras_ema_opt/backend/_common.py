@@ -81,6 +81,13 @@ def check_no_tape(tape, backend_name):
         )
 
 
+def stateless_step(optimizer, grads, trainable_variables):
+    """False: the optimizer's own stateful step runs (JAX runs a
+    loss-scale wrapper's eager step through its stateless one)."""
+    del optimizer, grads, trainable_variables
+    return False
+
+
 def scale_gradient(grad, factor):
     """``grad`` times a scalar ``factor``, in the gradient's dtype."""
     return keras.ops.multiply(grad, keras.ops.cast(factor, grad.dtype))

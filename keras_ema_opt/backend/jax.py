@@ -122,6 +122,36 @@ def compiled_apply(optimizer, grads, variables):
     return optimizer.iterations
 
 
+def stateless_step(optimizer, grads, trainable_variables):
+    """Run an eager step of ``optimizer`` as its ``stateless_apply`` on the
+    variables' values, assigned back; False inside a traced step or a
+    ``StatelessScope`` (the caller's own step runs there).
+
+    Keras' loss-scale wrappers step with a ``cond`` whose branches assign
+    their variables; JAX traces both branches, and the assignments leaked
+    their tracers (``UnexpectedTracerError``): their stateless step, which
+    ``fit()`` runs, returns the values instead.
+    """
+    if in_stateless_scope() or any(isinstance(g, jax.core.Tracer)
+                                   for g in grads):
+        return False
+    variables = list(optimizer._trainable_variables
+                     if trainable_variables is None else trainable_variables)
+    if not optimizer.built:
+        with keras.name_scope(optimizer.name, caller=optimizer):
+            optimizer.build(variables)
+        optimizer.built = True
+    opt_vars = optimizer.variables
+    new_model, new_opt = optimizer.stateless_apply(
+        [v.value for v in opt_vars], list(grads),
+        [v.value for v in variables])
+    for var, value in zip(variables, new_model):
+        var.assign(value)
+    for var, value in zip(opt_vars, new_opt):
+        var.assign(value)
+    return True
+
+
 def _make_step(optimizer, variables, model_vars, opt_vars, read_vars, donate):
     def step(model_values, opt_values, grads, read_values, rate_values):
         mapping = list(zip(model_vars, model_values))

@@ -136,6 +136,9 @@ for _name in _TF_VARIABLE_METHODS:
     setattr(_Keras2SlotVariable, _name, _delegate(_name))
 
 
+stateless_step = _common.stateless_step
+
+
 def scale_gradient(grad, factor):
     """``grad`` times a scalar ``factor`` in its dtype; a sparse gradient's
     values (Keras 2's ``_multiply_gradient``)."""

@@ -11,6 +11,7 @@ from keras_ema_opt.backend import _common
 colocate_with = _common.no_placement
 optimizer_variable = _common.optimizer_variable
 scale_gradient = _common.scale_gradient
+stateless_step = _common.stateless_step
 check_build = _common.check_build
 host_array = _common.host_array
 forward_spans_processes = _common.forward_spans_processes

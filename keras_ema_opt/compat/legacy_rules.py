@@ -16,6 +16,8 @@ Each is a ``keras_ema_opt.Optimizer``: the Keras 2 contract, OptimizerV2's
 OptimizerV2's config), averaging.
 """
 
+import contextlib
+
 import keras
 import numpy as np
 from keras import initializers
@@ -325,6 +327,7 @@ class LegacyLossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         self._make_scale_variables()
         self._keo_unscale_next = False
         self._keo_given_unscaled = False
+        self._keo_in_step = False
 
     @tracking.no_automatic_dependency_tracking
     def _make_scale_variables(self):
@@ -427,24 +430,35 @@ class LegacyLossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
     # -- the step ----------------------------------------------------------
 
     def apply(self, grads, trainable_variables=None):
-        unscaled = self._keo_unscale_next
-        self._keo_unscale_next = False
-        self._keo_given_unscaled = unscaled
-        try:
-            return super().apply(grads, trainable_variables)
-        finally:
-            self._keo_given_unscaled = False
+        with self._step_gradients():
+            # JAX: Keras 3's stateful step is a `cond` whose branches
+            # assign, which JAX traces (it failed eagerly): its stateless
+            # step, on the variables' values.
+            if not backend.stateless_step(self, grads, trainable_variables):
+                super().apply(grads, trainable_variables)
 
     def stateless_apply(self, optimizer_variables, grads,
                         trainable_variables):
-        unscaled = self._keo_unscale_next
-        self._keo_unscale_next = False
-        self._keo_given_unscaled = unscaled
-        try:
+        with self._step_gradients():
             return super().stateless_apply(optimizer_variables, grads,
                                            trainable_variables)
+
+    @contextlib.contextmanager
+    def _step_gradients(self):
+        """A step: its gradients are unscaled where
+        ``get_unscaled_gradients`` gave them since the last step (a step
+        within a step, the outer one's)."""
+        if self.__dict__.get("_keo_in_step"):
+            yield
+            return
+        self._keo_given_unscaled = self._keo_unscale_next
+        self._keo_unscale_next = False
+        self._keo_in_step = True
+        try:
+            yield
         finally:
             self._keo_given_unscaled = False
+            self._keo_in_step = False
 
     def _overwrite_variable_with_gradient(self, variable):
         # Keras 3's wrapper divides each gradient by the scale but where
