@@ -992,7 +992,10 @@ class Optimizer(backend.OptimizerHooks, keras.optimizers.Optimizer):
         return self.apply_gradients(grads_and_vars)
 
     def _build_for_minimize(self, variables):
-        with keras.name_scope(self.name, caller=self):
+        # The whole build under the backend's scope (TensorFlow: outside a
+        # traced step, as Keras 2 built), a Keras 2 subclass's own slots,
+        # made after `super().build()`, included.
+        with keras.name_scope(self.name, caller=self), backend.build_scope():
             self.build(variables)
         self.built = True
 

@@ -275,8 +275,9 @@ def averaged(optimizer, averaging):
     if held:
         raise InvalidArgumentError(
             f"averaged() attaches one averaging, and {optimizer.name} "
-            f"already averages ({held}): pass it without, or give a "
-            "strategy that keeps several averages (PowerEMA). Received: "
+            f"already averages ({held}): pass the optimizer without its "
+            "averaging. For several averages at once, give one strategy "
+            "that keeps them all: PowerEMA(sigma_rels=(...)). Received: "
             f"averaging={averaging!r}")
     rate = getattr(optimizer, "_learning_rate", None)
     live = not isinstance(rate, keras.Variable) and (

@@ -975,7 +975,7 @@ def _multi_optimizer():
 
 @pytest.mark.parametrize("case", [
     "no averaging", "MultiOptimizer", "Keras' use_ema", "ours averaging",
-    "loss scale of use_ema"])
+    "loss scale of use_ema", "use_ema, PowerEMA given"])
 def test_averaged_refuses_what_it_cannot_average(case):
     O = keras.optimizers
     optimizer, averaging, match = {
@@ -986,7 +986,13 @@ def test_averaged_refuses_what_it_cannot_average(case):
         "Keras' use_ema": (lambda: O.SGD(use_ema=True, ema_momentum=0.5),
                            keras_ema_opt.EMA(0.9),
                            r"sgd.* already averages \(use_ema=True, "
-                           r"ema_momentum=0.5\)"),
+                           r"ema_momentum=0.5\): pass the optimizer "
+                           r"without its averaging\. For several averages "
+                           r"at once, give one strategy"),
+        # The message's advice is no way around the refusal.
+        "use_ema, PowerEMA given": (
+            lambda: O.Adam(use_ema=True), keras_ema_opt.PowerEMA(),
+            r"already averages \(use_ema=True.*without its averaging"),
         "ours averaging": (lambda: keras_ema_opt.averaged(
             O.Adam(), keras_ema_opt.EMA()), keras_ema_opt.SWA(),
             r"already averages \(averaging=EMA\(momentum=0.999"),

@@ -245,8 +245,10 @@ def test_legacy_loss_scale_keras2_methods_and_variables():
         dynamic_growth_steps=None)  # Keras 2's None: the defaults
     assert ours.dynamic and ours.initial_scale == 2.0**15
     assert ours.dynamic_growth_steps == 2000
-    # Exists before the first step (Keras 2's did; Keras 3 makes it then).
-    assert float(to_numpy(ours.loss_scale)) == 2.0**15
+    # Exists before the first step (Keras 2's did; Keras 3 makes it then),
+    # a value: a later step does not change it.
+    before = ours.loss_scale
+    assert float(to_numpy(before)) == 2.0**15
     assert int(to_numpy(ours.dynamic_counter)) == 0
     loss = keras.ops.convert_to_tensor(np.float32(1.5))
     assert float(to_numpy(ours.get_scaled_loss(loss))) == 1.5 * 2.0**15
@@ -255,6 +257,10 @@ def test_legacy_loss_scale_keras2_methods_and_variables():
     grads = ours.get_unscaled_gradients(
         [keras.ops.convert_to_tensor(np.float32([2.0**16])), None])
     assert grads[1] is None and float(to_numpy(grads[0])[0]) == 2.0
+    ours.apply_gradients([(keras.ops.convert_to_tensor(
+        np.float32([np.inf])), keras.Variable(np.ones(1, "float32")))])
+    assert float(to_numpy(ours.loss_scale)) == 2.0**14
+    assert float(to_numpy(before)) == 2.0**15
     # The same variables, in the same order, as Keras 3's wrapper after a
     # build: files written by either load into the other.
     w = keras.Variable(np.ones(2, "float32"), name="w")
@@ -273,6 +279,32 @@ def test_legacy_loss_scale_keras2_methods_and_variables():
     with pytest.raises(ValueError, match="dynamic=False"):
         keras_ema_opt.compat.LegacyLossScaleOptimizer(
             keras.optimizers.SGD(), dynamic=False, initial_scale=8.0)
+
+
+def test_unscaled_gradients_not_applied_leave_fit_scaled():
+    """get_unscaled_gradients marks the next step's gradients as unscaled;
+    fit() scales its loss (scale_loss) in each step, which clears the
+    mark: gradients unscaled only to be looked at, never applied, made
+    every step of a later fit() 32768 times too large."""
+    def fit(cls, look_first):
+        keras.utils.set_random_seed(0)
+        keras.config.set_dtype_policy("mixed_float16")
+        try:
+            model = keras.Sequential([keras.Input((3,)),
+                                      keras.layers.Dense(1)])
+            optimizer = cls(keras.optimizers.SGD(0.01))
+            model.compile(optimizer=optimizer, loss="mse")
+            if look_first:
+                optimizer.get_unscaled_gradients([keras.ops.ones((3, 1))])
+            model.fit(np.ones((8, 3), "float32"), np.zeros((8, 1), "float32"),
+                      epochs=2, batch_size=8, verbose=0)
+            return to_numpy(model.trainable_variables[0])
+        finally:
+            keras.config.set_dtype_policy("float32")
+
+    want = fit(keras.optimizers.LossScaleOptimizer, False)
+    got = fit(keras_ema_opt.compat.LegacyLossScaleOptimizer, True)
+    np.testing.assert_allclose(got, want, rtol=1e-6)
 
 
 @only_on("tensorflow")

@@ -42,7 +42,8 @@ def test_mirrored_strategy_sums_replicas_like_tf_keras():
     # tf_keras built them under tf.init_scope(), as ours now does.
     import numpy as np
 
-    for label in ("built_in_step", "built_in_step_ema"):
+    for label in ("built_in_step", "built_in_step_ema",
+                  "subclass_built_in_step"):
         ours, theirs = (result[label][k] for k in ("ours", "tf_keras"))
         assert ours[-1] == theirs[-1] == 3
         assert len(ours) == len(theirs) == (

@@ -396,7 +396,7 @@ def test_power_ema_errors():
     (([5, 10], [6.9, 16.9], [10], [-1.0]), "out_gamma=\\[-1.0\\]"),
     (([0, 10], [6.9, 16.9], [10], [3.0]), "in_t=\\[0.0, 10.0\\]"),
     (([5, float("nan")], [6.9, 16.9], [10], [3.0]), "`in_t` must be finite"),
-    (([5, 10], [6.9, 16.9], [[10]], [3.0]), "`out_t` must be finite"),
+    (([5, 10], [6.9, 16.9], [10], [np.inf]), "`out_gamma` must be finite"),
     (([5, 10], ["a", 16.9], [10], [3.0]), "`in_gamma` must be numbers"),
 ])
 def test_solve_coefficients_refuses_profiles_it_cannot_fit(args, message):
@@ -404,6 +404,15 @@ def test_solve_coefficients_refuses_profiles_it_cannot_fit(args, message):
 
     with pytest.raises(InvalidArgumentError, match=message):
         solve_coefficients(*args)
+
+
+def test_solve_coefficients_takes_columns_scalars_and_integers():
+    from keras_ema_opt.averaging import solve_coefficients
+
+    want = solve_coefficients([5.0, 10.0], [6.9, 16.9], [10.0], [3.0])
+    for args in (([[5], [10]], [[6.9], [16.9]], 10, 3),
+                 (np.array([5, 10]), (6.9, 16.9), np.array([10]), 3.0)):
+        np.testing.assert_array_equal(solve_coefficients(*args), want)
 
 
 def test_synthesize_refuses_bad_arguments_and_snapshots_of_another_model(

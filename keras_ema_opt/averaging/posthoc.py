@@ -81,12 +81,13 @@ def _profiles(side, t, gamma):
             array = np.asarray(value, np.float64)
         except (TypeError, ValueError) as e:
             raise InvalidArgumentError(
-                f"`{name}` must be numbers (a scalar or a 1-D sequence). "
-                f"Received: {name}={value!r}") from e
-        if array.ndim > 1 or not np.isfinite(array).all():
+                f"`{name}` must be numbers (a scalar, or a sequence or "
+                f"array of one per profile). Received: {name}={value!r}"
+            ) from e
+        if not np.isfinite(array).all():
             raise InvalidArgumentError(
-                f"`{name}` must be finite numbers (a scalar or a 1-D "
-                f"sequence). Received: {name}={value!r}")
+                f"`{name}` must be finite numbers. Received: "
+                f"{name}={value!r}")
         arrays.append(array.reshape(-1))
     t, gamma = arrays
     if t.size == 0 or t.size != gamma.size:

@@ -358,8 +358,9 @@ class LegacyLossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
 
     @property
     def loss_scale(self):
-        """The current loss scale, a float32 tensor (Keras 2's property)."""
-        return ops.convert_to_tensor(self.dynamic_scale)
+        """The current loss scale, a float32 tensor (Keras 2's property):
+        its value now, which a later step does not change."""
+        return ops.copy(self.dynamic_scale.value)
 
     @property
     def dynamic_counter(self):
@@ -368,6 +369,11 @@ class LegacyLossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         return self.step_counter
 
     def scale_loss(self, loss):
+        """Keras 3's: ``loss`` times the scale; the step that follows
+        takes its gradients as scaled (``fit()`` calls it in each step), so
+        a ``get_unscaled_gradients`` whose gradients were not applied
+        leaves no mark on it."""
+        self._keo_unscale_next = False
         return ops.multiply(loss, self.dynamic_scale)
 
     def get_scaled_loss(self, loss):
