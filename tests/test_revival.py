@@ -26,6 +26,12 @@ CASES = {
                                                jit_compile=False),
     "legacy_sgd": lambda: tf_keras.optimizers.legacy.SGD(0.05, momentum=0.9),
     "legacy_adam": lambda: tf_keras.optimizers.legacy.Adam(0.01),
+    # Adam's slots and hyperparameters: told by its variables' names
+    # (`Adamax/iter`); it came back as an Adam without a word.
+    "legacy_adamax": lambda: tf_keras.optimizers.legacy.Adamax(0.01),
+    # Variables named after no class: Adam or Adamax, not told.
+    "legacy_adam_renamed": lambda: tf_keras.optimizers.legacy.Adam(
+        0.01, name="my_opt"),
     # Told from their state alone: Nadam by its momentum_cache (which is
     # state to restore, not an argument), centered RMSprop by its `mg`
     # slots, Ftrl's regularization strengths from its variables.
@@ -37,8 +43,9 @@ CASES = {
         l2_regularization_strength=0.02, beta=0.1),
 }
 # New optimizers keep only lr in their variables; legacy Adam and Adamax
-# share slot names: these need the config (keras_metadata.pb).
-CONFIG_NEEDED = {"new_adam_ema", "new_sgd", "legacy_adam"}
+# share slot names, told apart by the names of their variables only:
+# these need the config (keras_metadata.pb).
+CONFIG_NEEDED = {"new_adam_ema", "new_sgd", "legacy_adam_renamed"}
 
 
 def _data():
@@ -156,6 +163,8 @@ def test_to_keras_resumes_like_tf_keras(saved, key):
             np.testing.assert_allclose(to_numpy(optimizer.average_of(var)),
                                        theirs.numpy(), rtol=1e-5, atol=1e-6)
     assert isinstance(optimizer, keras_ema_opt.Optimizer)
+    if key == "legacy_adamax":
+        assert type(optimizer) is keras_ema_opt.Adamax
 
 
 def test_to_keras_refuses_to_guess(saved):
@@ -165,6 +174,10 @@ def test_to_keras_refuses_to_guess(saved):
                               keras.layers.Dense(2)])
     restored = tf.saved_model.load(saved["new_sgd"][0]).optimizer
     with pytest.raises(LegacyConfigError, match="keras_metadata.pb"):
+        restored.to_keras(model)
+    restored = tf.saved_model.load(saved["legacy_adam_renamed"][0]).optimizer
+    with pytest.raises(LegacyConfigError, match="Adam's or Adamax's.*named "
+                       "after 'my_opt'"):
         restored.to_keras(model)
     # A config that does not match the state: named, not silently dropped.
     restored = tf.saved_model.load(saved["legacy_sgd"][0]).optimizer

@@ -196,10 +196,24 @@ def _restored_class():
             return configs.from_legacy_config(legacy)
 
         def _class_name(self):
-            """The OptimizerV2 class, from its slots and hyperparameters."""
+            """The OptimizerV2 class: the prefix of its variables' names
+            (``Adamax/iter:0``: Keras 2 named them after the class), else
+            its slots and hyperparameters, where they tell it."""
             names = set(self._keo_children)
+            prefix = str(getattr(self._keo_children.get("iter"), "name",
+                                 "")).split("/")[0]
+            known = configs.CLASS_NAMES.get(prefix.lower())
+            if known is not None:
+                return known
             slot_names = {s for s, _, _ in self._keo_slot_records}
             name = slot_tables.legacy_class(slot_names, names)
+            if name == "Adam":
+                raise LegacyConfigError(
+                    "The restored state is Adam's or Adamax's (they keep "
+                    "the same slots and hyperparameters), and its variables "
+                    f"are named after {prefix!r}, neither class. Pass its "
+                    "config: `to_keras(model, config=training_config["
+                    "'optimizer_config'])`.")
             if name is not None:
                 return name
             raise LegacyConfigError(
