@@ -32,7 +32,7 @@ SCRIPT = os.path.join(ROOT, "tests", "scripts", "make_compile_artifacts.py")
 CASES = ["loss_objects", "metric_objects", "custom_loss", "metric_names",
          "multi_output", "multi_output_dict", "huber", "cosine_axis",
          "one_loss_weighted", "one_loss_weighted_dict", "fresh", "mixed",
-         "mixed_v2"]
+         "mixed_v2", "renorm"]
 CUSTOM = {"my_loss": my_loss}
 
 
@@ -74,7 +74,7 @@ def _continues_like_tf_keras(model, expected, weights_after=True):
                                   "custom_loss", "metric_names",
                                   "multi_output", "multi_output_dict",
                                   "huber", "cosine_axis", "one_loss_weighted",
-                                  "one_loss_weighted_dict"])
+                                  "one_loss_weighted_dict", "renorm"])
 def test_loss_and_metrics_continue_like_tf_keras(artifacts, tmp_path, case,
                                                  fmt):
     # Keras 2 loss objects carry `reduction="auto"` and `fn`, which Keras 3
@@ -86,9 +86,15 @@ def test_loss_and_metrics_continue_like_tf_keras(artifacts, tmp_path, case,
     # CosineSimilarity leave `delta` and `axis` out of their configs (the
     # file would train with the defaults); one loss with a weight per
     # output is applied to each, as Keras 2 did (Keras 3 refused it at
-    # the first step).
+    # the first step); batch renormalization, refused while Keras 3 had
+    # none, keeps its arguments (its weights are the statistics' moving
+    # renorm_mean and renorm_stddev beside the moving mean and variance).
     folder = os.path.join(artifacts, case)
     model = _migrated(folder, fmt, tmp_path)
+    if case == "renorm":
+        bn = model.get_layer("bn")
+        assert bn.renorm and bn.renorm_momentum == pytest.approx(0.9)
+        assert bn.renorm_clipping == {"rmax": 1.5, "rmin": 0.7, "dmax": 0.5}
     _continues_like_tf_keras(model, _expected(folder))
 
 

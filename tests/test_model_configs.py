@@ -15,6 +15,7 @@ import json
 import os
 
 import h5py
+import keras
 import numpy as np
 import pytest
 
@@ -114,8 +115,6 @@ def _layer(config, class_name):
 
 @pytest.mark.parametrize("class_name,key,value,text", [
     ("LSTM", "time_major", True, "'lstm' (LSTM) has time_major=True"),
-    ("BatchNormalization", "renorm", True,
-     "(BatchNormalization) has renorm=True"),
     ("BatchNormalization", "virtual_batch_size", 4,
      "has virtual_batch_size=4"),
 ])
@@ -130,18 +129,27 @@ def test_removed_argument_that_matters_is_refused(layer_artifacts, class_name,
 
 
 def test_removed_arguments_with_no_effect_are_dropped(layer_artifacts):
-    """``fused``, ``renorm=False`` and its companions, as Keras 2 versions
-    wrote them, are dropped; the model still builds."""
+    """``fused``, ``virtual_batch_size=None`` and ``adjustment=None``, as
+    Keras 2 versions wrote them, are dropped; the model still builds.
+    ``renorm`` and its companions, which the installed Keras takes (3.15),
+    are kept as they were: ``renorm_momentum`` was dropped, and a
+    renormalizing layer would have run with Keras' default."""
     config = _config(layer_artifacts, "normalization")
-    removed = {"fused": True, "renorm": False, "renorm_clipping": None,
-               "renorm_momentum": 0.99, "virtual_batch_size": None,
+    removed = {"fused": True, "virtual_batch_size": None,
                "adjustment": None}
-    _layer(config, "BatchNormalization")["config"].update(removed)
-    upgraded = upgrade_model_config(config)
-    assert not set(removed) & set(
-        _layer(upgraded, "BatchNormalization")["config"])
+    kept = {"renorm": True, "renorm_clipping": {"rmax": 2.0},
+            "renorm_momentum": 0.5}
+    _layer(config, "BatchNormalization")["config"].update(
+        {**removed, **kept})
+    upgraded = _layer(upgrade_model_config(config),
+                      "BatchNormalization")["config"]
+    assert not set(removed) & set(upgraded)
+    assert {key: upgraded[key] for key in kept} == kept
     assert _layer(config, "BatchNormalization")["config"]["fused"] is True
-    model_from_config(config)
+    model = model_from_config(config)
+    bn = next(layer for layer in model.layers
+              if isinstance(layer, keras.layers.BatchNormalization))
+    assert bn.renorm and bn.renorm_momentum == 0.5
 
 
 def test_tensor_call_arguments_become_keras3_references(layer_artifacts):

@@ -9,6 +9,9 @@ any other value is refused with an error naming the layer, the argument and
 its value, never dropped silently.
 """
 
+import functools
+import inspect
+
 from keras_ema_opt.compat.activations import CHANGED_ACTIVATIONS
 from keras_ema_opt.errors import LegacyConfigError
 
@@ -76,6 +79,19 @@ RENAMED_WEIGHTS = {
 }
 
 
+@functools.lru_cache(maxsize=None)
+def _accepts(class_name, argument):
+    """Whether the installed Keras' layer of that name takes the argument
+    (Keras 3.15's BatchNormalization takes `renorm` again, with tf_keras'
+    rule and weights): kept then, neither refused nor dropped."""
+    import keras
+
+    layer = getattr(keras.layers, class_name, None)
+    if layer is None:
+        return False
+    return argument in inspect.signature(layer).parameters
+
+
 def upgrade_model_config(config):
     """A copy of a Keras 2 model config that Keras 3 accepts.
 
@@ -107,7 +123,9 @@ def upgrade_model_config(config):
 
     Raises:
         LegacyConfigError: a removed argument with a value that mattered
-            (``time_major=True``, ``renorm=True``, ...), naming the layer.
+            (``time_major=True``, ...), naming the layer. An argument the
+            installed Keras takes is kept (``renorm=True``, which Keras
+            3.15 took back).
     """
     return _upgrade(config, parent_key=None)
 
@@ -165,7 +183,7 @@ def _upgrade(config, parent_key):
     removed = REMOVED_ARGUMENTS.get(class_name)
     if removed and isinstance(inner, dict):
         for key, safe in removed.items():
-            if key not in inner:
+            if key not in inner or _accepts(class_name, key):
                 continue
             value = inner[key]
             if safe is not _ANY and value not in safe:

@@ -118,6 +118,22 @@ def _one_loss_weighted(as_dict):
     return make
 
 
+def _renorm():
+    # Batch renormalization, which Keras 3.15 took back (its weights and
+    # rule are tf_keras'): migrated with its arguments, not refused.
+    model = k2.Sequential([
+        k2.Input((4,)), k2.layers.Dense(3, name="h"),
+        k2.layers.BatchNormalization(
+            name="bn", momentum=0.8, renorm=True, renorm_momentum=0.9,
+            renorm_clipping={"rmax": 1.5, "rmin": 0.7, "dmax": 0.5}),
+        k2.layers.Dense(2, name="d")])
+    model.compile(optimizer=k2.optimizers.SGD(0.05, momentum=0.9),
+                  loss="mse")
+    rng = np.random.RandomState(6)
+    return model, [(rng.randn(16, 4).astype("float32"),
+                    rng.randn(16, 2).astype("float32")) for _ in range(3)]
+
+
 def _mixed(optimizer):
     # Targets far beyond float16: the first steps overflow and halve the
     # dynamic loss scale (32768 -> 4096), state an .h5 does not keep.
@@ -154,6 +170,7 @@ CASES = {
     "fresh": _regression(lambda: "mse", lambda: None,
                          lambda: k2.optimizers.legacy.SGD(0.05,
                                                           momentum=0.9)),
+    "renorm": _renorm,
     "mixed": _mixed(lambda: k2.optimizers.Adam(0.01)),
     # OptimizerV2's wrapper: its bare checkpoint names no class.
     "mixed_v2": _mixed(lambda: k2.optimizers.legacy.Adam(0.01)),
