@@ -542,7 +542,8 @@ def _bad_table():
                 json.dumps(c).replace('"units": 5', '"units": 7'))),
             state, "d1/kernel"),
         "Lambda under safe_mode": (lambda f, t: _h5_copy(
-            f, t, "lambda.h5", model_config=_add_lambda), cfg, "safe_mode"),
+            f, t, "lambda.h5", model_config=_add_lambda), cfg,
+            "safe_mode=False` .`--unsafe` on the command line"),
         "not an artifact": (lambda f, t: _write(t / "nothing.bin", b"hello"),
                             fmt, "nothing.bin"),
         "truncated .keras zip": (_truncated_zip, fmt, "truncated.keras"),

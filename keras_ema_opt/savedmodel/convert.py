@@ -44,8 +44,9 @@ def build_model(record, custom_objects=None, safe_mode=True):
         raise LegacyConfigError(
             f"{record.path}: the model has a Lambda layer, whose function "
             "is stored as marshalled Python bytecode; loading it can run "
-            "arbitrary code. Pass `safe_mode=False` if you trust the file "
-            "(Keras 3 refuses it the same way).")
+            "arbitrary code. Pass `safe_mode=False` (`--unsafe` on the "
+            "command line) if you trust the file (Keras 3 refuses it the "
+            "same way).")
     from keras.src.legacy.saving import saving_utils
     from keras.src.saving.serialization_lib import SafeModeScope
 
