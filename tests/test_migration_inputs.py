@@ -348,6 +348,14 @@ def test_subclassed_model_resumes_like_tf_keras(tmp_path, fmt):
         savedmodel.load_legacy(path)
     model = savedmodel.load_legacy(path, model=build)
     assert int(to_numpy(model.optimizer.iterations)) == 3
+    # Written and verified: the check's forward pass read the model's
+    # `inputs`, which a subclassed model has not (an AttributeError, and
+    # no file); it runs on the shape the model was built on.
+    out = str(tmp_path / "new.keras")
+    savedmodel.migrate(path, out, model=build,
+                       custom_objects={"_K3Net": _K3Net})
+    written = keras.saving.load_model(out, custom_objects={"_K3Net": _K3Net})
+    assert int(to_numpy(written.optimizer.iterations)) == 3
     for x, y in batches[3:]:
         net.train_on_batch(x, y)
         model.train_on_batch(x, y)
