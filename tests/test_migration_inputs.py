@@ -301,6 +301,54 @@ def test_augmentation_layers_migrate(tmp_path, fmt):
         assert any("random generator state" in w for w in record.warnings)
 
 
+@pytest.mark.parametrize("kind", ["sequential", "functional"])
+def test_checkpoint_goes_where_its_object_paths_lead(tmp_path, kind):
+    """A checkpoint holds no config: the model is the user's, and the
+    names Keras 2 and Keras 3 made up (`dense_1`) count the layers their
+    processes made before. Placed by name, the Keras 2 model's first
+    layer went to the Keras 3 model's second (the same shape): it failed
+    at the third, or, where nothing was left over, would not have. Placed
+    by object path (`layer_with_weights-0/kernel`), as Keras 2 restores."""
+    def build(layers, model_class):
+        dense = [layers.Dense(6, activation="tanh") for _ in range(3)]
+        norm, drop = layers.BatchNormalization(), layers.Dropout(0.0)
+        if kind == "sequential":
+            return model_class.Sequential(
+                [layers.Input((6,)), dense[0], norm, drop, dense[1],
+                 dense[2]])
+        inputs = layers.Input((6,))
+        hidden = drop(norm(dense[0](inputs)))
+        return model_class.Model(
+            inputs, layers.Add()([dense[1](hidden), dense[2](hidden)]))
+
+    k2.backend.clear_session()
+    k2.layers.Dense(1)  # the model's layers are dense_1 to dense_3
+    net = build(k2.layers, k2)
+    net.compile(optimizer=k2.optimizers.Adam(0.01), loss="mse")
+    rng = np.random.RandomState(3)
+    batches = [(rng.randn(8, 6).astype("float32"),
+                rng.randn(8, 6).astype("float32")) for _ in range(4)]
+    for x, y in batches[:2]:
+        net.train_on_batch(x, y)
+    path = str(tmp_path / "ckpt")
+    tf.train.Checkpoint(model=net, optimizer=net.optimizer).write(path)
+
+    def k3_model():  # its layers are dense to dense_2
+        model = build(keras.layers, keras)
+        model.compile(optimizer=keras_ema_opt.Adam(0.01), loss="mse")
+        return model
+
+    model = savedmodel.load_legacy(path, model=k3_model)
+    for got, want in zip(model.weights, net.weights):
+        np.testing.assert_array_equal(to_numpy(got), want.numpy())
+    for x, y in batches[2:]:
+        net.train_on_batch(x, y)
+        model.train_on_batch(x, y)
+    for got, want in zip(model.weights, net.weights):
+        np.testing.assert_allclose(to_numpy(got), want.numpy(), rtol=1e-5,
+                                   atol=1e-6)
+
+
 class _K3Net(keras.Model):
     def __init__(self, **kwargs):
         super().__init__(**kwargs)

@@ -223,8 +223,9 @@ def _load_model(path, custom_objects, safe_mode, model):
             # the variables Keras builds when it is loaded.
             optimizer.build(model.trainable_variables)
         return model, record, {}, []
+    given = model is not None
     model = _given_model(record, custom_objects, safe_mode, model)
-    mapping = convert.assign_weights(record, model)
+    mapping = convert.assign_weights(record, model, given=given)
     optimizer = getattr(model, "optimizer", None)
     placed = []
     if record.optimizer is not None:
@@ -373,7 +374,7 @@ def restore_checkpoint(model, path, optimizer=None):
     ```
     """
     record = readers.read(path)
-    mapping = convert.assign_weights(record, model)
+    mapping = convert.assign_weights(record, model, given=True)
     if record.optimizer is None:
         return None
     optimizer = optimizer or getattr(model, "optimizer", None) or (

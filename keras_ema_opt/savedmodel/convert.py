@@ -81,10 +81,19 @@ def _first_line(error):
     return text[0] if text else type(error).__name__
 
 
-def assign_weights(record, model):
+def assign_weights(record, model, given=False):
     """Put the record's weights into ``model``; returns ``{key: variable}``.
 
-    Each Keras 2 weight goes to an unused Keras 3 variable of the same
+    For a model the user gave (``given``; a checkpoint keeps no config to
+    build one from), each weight of a SavedModel or checkpoint goes first
+    where its object path leads, as Keras 2's own restore placed it
+    (``layer_with_weights-1/bias``: the bias of the model's second layer
+    with weights; ``d1/kernel``: the ``d1`` attribute's kernel): the
+    names Keras 2 made up (``dense_3``) count layers per process, and
+    differ between a model built first in its process and one built
+    after another, where the structure does not. Then, and for a model
+    built from the record's config (whose layer names are the record's),
+    each Keras 2 weight goes to an unused Keras 3 variable of the same
     shape, found by name, in passes from the strictest on (within a pass,
     colliding names are taken in model order):
 
@@ -113,6 +122,15 @@ def assign_weights(record, model):
     paths = _weight_paths(model)
     used = set()
     mapping = {}
+    if given and record.format in ("savedmodel", "checkpoint"):
+        known = {id(v) for v in targets}
+        for key, value in record.weights.items():
+            var = _at_object_path(model, key)
+            if var is not None and id(var) in known and (
+                    id(var) not in used) and (
+                    tuple(var.shape) == tuple(np.shape(value))):
+                used.add(id(var))
+                mapping[key] = var
     for number in range(4):
         for key, value in record.weights.items():
             if key in mapping:
@@ -132,7 +150,8 @@ def assign_weights(record, model):
         raise LegacyStateError(
             f"{record.path}: weight {key!r} ({name}, shape "
             f"{tuple(np.shape(value))}) has no place in the Keras 3 "
-            f"model. Unused variables of that name: {candidates[:6]}")
+            f"model. Unused Keras 3 variables named "
+            f"{name.split('/')[-1]!r}: {candidates[:6]}")
     missing = [f"{v.path}{tuple(v.shape)}" for v in targets
                if id(v) not in used]
     if missing:
@@ -250,6 +269,36 @@ _NUMBERED = re.compile(r"_\d+$")
 
 def _unnumbered(part):
     return _NUMBERED.sub("", part)
+
+
+_LAYER_CHILD = re.compile(r"layer(_with_weights)?-([0-9]+)")
+
+
+def _at_object_path(model, key):
+    """The Keras 3 variable at a Keras 2 object path, or None: each part
+    an attribute (``d1``, ``cell``, ``kernel``), or ``layer-i`` /
+    ``layer_with_weights-i``, the i-th of the model's layers (of those
+    with weights), as Keras 2's ``Functional`` and ``Sequential`` tracked
+    them."""
+    node = model
+    for part in key.split("/"):
+        match = _LAYER_CHILD.fullmatch(part)
+        if match:
+            layers = getattr(node, "layers", None)
+            if not isinstance(layers, list):
+                return None
+            if match.group(1):
+                layers = [layer for layer in layers if layer.weights]
+            index = int(match.group(2))
+            node = layers[index] if index < len(layers) else None
+        else:
+            try:
+                node = getattr(node, part, None)
+            except Exception:  # a property that fails: no path
+                return None
+        if node is None:
+            return None
+    return node if isinstance(node, keras.Variable) else None
 
 
 def _match(name, shape, targets, used, matches):
