@@ -875,6 +875,32 @@ def test_averaged_loss_scale_optimizer_steps_eagerly_on_every_backend():
     assert int(to_numpy(opt.iterations)) == 2  # Keras 3 counts no skip
 
 
+def test_loss_scale_optimizer_eager_steps_take_pairs_in_any_order():
+    """Pairs in another order than the build's, a subset, an unknown
+    variable: as Keras' own step takes them (on JAX the eager step runs
+    as the stateless one, which took the gradients by position: each
+    variable stepped with the other's momentum)."""
+    a = keras.Variable(np.ones(2, "float32"))
+    b = keras.Variable(np.full(2, 10.0, "float32"))
+    opt = keras_ema_opt.compat.LegacyLossScaleOptimizer(
+        keras.optimizers.SGD(0.1, momentum=0.9), initial_scale=4.0)
+    opt.build([a, b])
+
+    def g(value):
+        return keras.ops.convert_to_tensor(np.full(2, 4.0 * value, "float32"))
+
+    opt.apply_gradients([(g(1.0), a), (g(2.0), b)])
+    opt.apply_gradients([(g(2.0), b), (g(1.0), a)])
+    opt.apply_gradients([(g(2.0), b)])
+    # float64: m <- 0.9 m - 0.1 g; w <- w + m
+    np.testing.assert_allclose(to_numpy(a), [0.71, 0.71], rtol=1e-6)
+    np.testing.assert_allclose(to_numpy(b), [8.878, 8.878], rtol=1e-6)
+    with pytest.raises(ValueError, match="(?i)unknown variable|cannot "
+                       "recognize variable"):
+        opt.apply_gradients([(g(1.0), keras.Variable(np.zeros(2,
+                                                              "float32")))])
+
+
 class _Halving(keras.optimizers.schedules.LearningRateSchedule):
     """A user's schedule, registered nowhere."""
 

@@ -328,20 +328,56 @@ def test_a_skipped_step_moves_no_average_of_statistics(legacy):
                                       err_msg=var.path)
 
 
-@only_on("tensorflow", "torch")  # Keras' own LossScaleOptimizer cannot
-# take an eager step on JAX (UnexpectedTracerError), ours or not
-def test_loss_scale_optimizer_in_a_custom_loop_tracks_the_model():
+@pytest.mark.parametrize("wrapper", ["averaged", "legacy"])
+def test_loss_scale_optimizer_in_a_custom_loop_tracks_the_model(wrapper):
     # averaged(LossScaleOptimizer(...)) had no track_non_trainable, which
-    # its build error asks for.
+    # its build error asks for. On JAX an eager step of a loss-scale
+    # wrapper runs as its stateless step, which left these averages to
+    # fit()'s step: they stayed where they started.
     model = _model()
     initial = [to_numpy(v) for v in model.layers[1].non_trainable_variables]
-    optimizer = keras_ema_opt.averaged(
-        keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(0.05)),
-        keras_ema_opt.EMA(M, include_non_trainable=True))
+    averaging = keras_ema_opt.EMA(M, include_non_trainable=True)
+    if wrapper == "averaged":
+        optimizer = keras_ema_opt.averaged(
+            keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(0.05)),
+            averaging)
+    else:
+        optimizer = keras_ema_opt.compat.LegacyLossScaleOptimizer(
+            keras_ema_opt.SGD(0.05, averaging=averaging))
+    inner = optimizer.inner_optimizer
+    inner.track_non_trainable(model)
+    optimizer.build(model.trainable_variables)
+    stats = _custom_loop(optimizer, inner, model)
+    _assert_stat_averages(inner, model.layers[1], initial, stats)
+
+
+def test_overwrite_writes_statistics_averages_in_an_eager_step():
+    """ema_overwrite_frequency=2 writes the statistics' averages into them
+    every second step of a custom loop (on JAX the compiled eager step
+    read the statistics and returned nothing for them: never written)."""
+    model = _model()
+    bn = model.layers[1]
+    averages = [to_numpy(v).astype("float64")
+                for v in bn.non_trainable_variables]
+    optimizer = keras_ema_opt.SGD(
+        0.05, averaging=keras_ema_opt.EMA(M, include_non_trainable=True),
+        ema_overwrite_frequency=2)
     optimizer.track_non_trainable(model)
     optimizer.build(model.trainable_variables)
-    stats = _custom_loop(optimizer, optimizer.inner_optimizer, model)
-    _assert_stat_averages(optimizer, model.layers[1], initial, stats)
+    x, _ = _data()
+    for i in range(4):
+        grads_and_vars = optimizer.compute_gradients(
+            lambda: keras.ops.mean(model(x[8 * i: 8 * i + 8],
+                                         training=True)),
+            model.trainable_variables)
+        seen = [to_numpy(v).astype("float64")
+                for v in bn.non_trainable_variables]
+        averages = [M * a + (1 - M) * s for a, s in zip(averages, seen)]
+        optimizer.apply_gradients(grads_and_vars)
+        written = [to_numpy(v) for v in bn.non_trainable_variables]
+        for got, stat, average in zip(written, seen, averages):
+            want = average if i % 2 else stat
+            np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
 
 
 @only_on("jax")

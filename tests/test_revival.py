@@ -32,6 +32,13 @@ CASES = {
     # Variables named after no class: Adam or Adamax, not told.
     "legacy_adam_renamed": lambda: tf_keras.optimizers.legacy.Adam(
         0.01, name="my_opt"),
+    # `iterations` read before the first step: `iter:0`, made outside the
+    # class's name scope; the other variables tell the class.
+    "legacy_adamax_iterations_read": lambda: _iterations_read(
+        tf_keras.optimizers.legacy.Adamax(0.01)),
+    # Named after a class it is not: its slots tell it.
+    "legacy_sgd_named_adamax": lambda: tf_keras.optimizers.legacy.SGD(
+        0.05, momentum=0.9, name="adamax"),
     # Told from their state alone: Nadam by its momentum_cache (which is
     # state to restore, not an argument), centered RMSprop by its `mg`
     # slots, Ftrl's regularization strengths from its variables.
@@ -42,6 +49,11 @@ CASES = {
         0.05, l1_regularization_strength=0.01,
         l2_regularization_strength=0.02, beta=0.1),
 }
+def _iterations_read(optimizer):
+    optimizer.iterations  # as tf.summary.experimental.set_step(...) does
+    return optimizer
+
+
 # New optimizers keep only lr in their variables; legacy Adam and Adamax
 # share slot names, told apart by the names of their variables only:
 # these need the config (keras_metadata.pb).
@@ -163,8 +175,10 @@ def test_to_keras_resumes_like_tf_keras(saved, key):
             np.testing.assert_allclose(to_numpy(optimizer.average_of(var)),
                                        theirs.numpy(), rtol=1e-5, atol=1e-6)
     assert isinstance(optimizer, keras_ema_opt.Optimizer)
-    if key == "legacy_adamax":
+    if key.startswith("legacy_adamax"):
         assert type(optimizer) is keras_ema_opt.Adamax
+    if key == "legacy_sgd_named_adamax":
+        assert type(optimizer) is keras_ema_opt.SGD
 
 
 def test_to_keras_refuses_to_guess(saved):
@@ -177,7 +191,7 @@ def test_to_keras_refuses_to_guess(saved):
         restored.to_keras(model)
     restored = tf.saved_model.load(saved["legacy_adam_renamed"][0]).optimizer
     with pytest.raises(LegacyConfigError, match="Adam's or Adamax's.*named "
-                       "after 'my_opt'"):
+                       "after my_opt, not one"):
         restored.to_keras(model)
     # A config that does not match the state: named, not silently dropped.
     restored = tf.saved_model.load(saved["legacy_sgd"][0]).optimizer

@@ -96,7 +96,8 @@ def compiled_apply(optimizer, grads, variables):
     model_vars = list(optimizer._trainable_variables)
     opt_vars = optimizer.variables
     averager = getattr(optimizer, "_averager", None)
-    # Averaged non-trainable variables are read, never written, by the step.
+    # Averaged non-trainable variables: read by the step, and written by
+    # its overwrite with their averages (`ema_overwrite_frequency`).
     read_vars = [v for _, v in averager.extras()] if averager else []
     key = (tuple(id(v) for v in variables), tuple(id(v) for v in opt_vars))
     model_values = [v.value for v in model_vars]
@@ -113,11 +114,13 @@ def compiled_apply(optimizer, grads, variables):
     rate = _common.callable_rate(optimizer)
     rate_values = [] if rate is None else [
         jnp.asarray(keras.ops.convert_to_numpy(rate()), "float32")]
-    new_model, new_opt = fn(model_values, opt_values, list(grads),
-                            read_values, rate_values)
+    new_model, new_opt, new_read = fn(model_values, opt_values, list(grads),
+                                      read_values, rate_values)
     for var, value in zip(model_vars, new_model):
         var.assign(value)
     for var, value in zip(opt_vars, new_opt):
+        var.assign(value)
+    for var, value in zip(read_vars, new_read):
         var.assign(value)
     return optimizer.iterations
 
@@ -132,6 +135,7 @@ def stateless_step(optimizer, grads, trainable_variables):
     their tracers (``UnexpectedTracerError``): their stateless step, which
     ``fit()`` runs, returns the values instead.
     """
+    grads = list(grads)
     if in_stateless_scope() or any(isinstance(g, jax.core.Tracer)
                                    for g in grads):
         return False
@@ -141,13 +145,39 @@ def stateless_step(optimizer, grads, trainable_variables):
         with keras.name_scope(optimizer.name, caller=optimizer):
             optimizer.build(variables)
         optimizer.built = True
+    optimizer._check_variables_are_known(variables)
+    # `stateless_apply` takes a gradient for each variable the optimizer
+    # was built on, in that order: those given go to their places, None
+    # elsewhere (no step for them, as an eager step of a subset takes).
+    built = list(optimizer._trainable_variables)
+    place = {optimizer._var_key(v): i for i, v in enumerate(built)}
+    full = [None] * len(built)
+    for grad, var in zip(grads, variables):
+        full[place[optimizer._var_key(var)]] = grad
     opt_vars = optimizer.variables
-    new_model, new_opt = optimizer.stateless_apply(
-        [v.value for v in opt_vars], list(grads),
-        [v.value for v in variables])
-    for var, value in zip(variables, new_model):
+    before = [v.value for v in opt_vars]
+    # The averages of non-trainable variables (BatchNorm statistics): the
+    # stateless step leaves them, as to fit()'s step (`attach_model`);
+    # they are updated right after, from the statistics the caller's
+    # forward pass left.
+    averaging = getattr(optimizer, "inner_optimizer", optimizer)
+    has_extras = getattr(averaging, "_averager", None) is not None
+    averaging._keo_fit_step = has_extras
+    try:
+        new_model, new_opt = optimizer.stateless_apply(
+            before, full, [v.value for v in built])
+    finally:
+        averaging._keo_fit_step = False
+    held = []
+    if has_extras:
+        held = [v for _, v in averaging._averager.extras()]
+        values, new_opt = _update_extras(averaging, optimizer, held, before,
+                                         new_opt, [v.value for v in held])
+    for var, value in zip(built, new_model):
         var.assign(value)
     for var, value in zip(opt_vars, new_opt):
+        var.assign(value)
+    for var, value in zip(held, values if held else []):
         var.assign(value)
     return True
 
@@ -163,6 +193,8 @@ def _make_step(optimizer, variables, model_vars, opt_vars, read_vars, donate):
         return (
             [scope.get_current_value(v) for v in model_vars],
             [scope.get_current_value(v) for v in opt_vars],
+            # `ema_overwrite_frequency` writes their averages into them.
+            [scope.get_current_value(v) for v in read_vars],
         )
 
     return jax.jit(step, donate_argnums=(0, 1) if donate else ())
@@ -253,17 +285,28 @@ def prepare_model(model):
 
 
 def _average_non_trainable(optimizer, model, before, after, non_trainable):
+    return _update_extras(optimizer, model.optimizer,
+                          model.non_trainable_variables, before, after,
+                          non_trainable)
+
+
+def _update_extras(optimizer, stepping, held, before, after, values):
+    """One update of ``optimizer``'s averages of non-trainable variables
+    after a stateless step of ``stepping`` (itself, or the loss-scale
+    wrapper around it) took ``stepping.variables`` from ``before`` to
+    ``after``; ``held`` are the non-trainable variables, at ``values``.
+    Returns the new ``(values, after)``."""
     averager = optimizer._averager
     extras = averager.extras()
     if not extras:
-        return non_trainable, after
-    state_vars = model.optimizer.variables
+        return values, after
+    state_vars = stepping.variables
     # The counters as the optimizer's step saw them, and whether the step
     # was taken: a loss-scale optimizer skips non-finite ones, and halves
     # its scale then, which a step taken never does (a skipped step may
     # still count in `iterations`: compat.LegacyLossScaleOptimizer).
     position = {id(v): i for i, v in enumerate(state_vars)}
-    scale = getattr(model.optimizer, "dynamic_scale", None)
+    scale = getattr(stepping, "dynamic_scale", None)
     if scale is not None and id(scale) in position:
         i_scale = position[id(scale)]
         applied = jnp.greater_equal(after[i_scale], before[i_scale])
@@ -272,7 +315,7 @@ def _average_non_trainable(optimizer, model, before, after, non_trainable):
         applied = jnp.not_equal(after[i_iter], before[i_iter])
     # One scope: the overwrite reads the averages the update just wrote.
     mapping = list(zip(state_vars, before))
-    mapping += list(zip(model.non_trainable_variables, non_trainable))
+    mapping += list(zip(held, values))
     frequency = optimizer.ema_overwrite_frequency
     with StatelessScope(state_mapping=mapping) as scope:
         averager.update(optimizer, extras_only=True, applied=applied)
@@ -283,10 +326,7 @@ def _average_non_trainable(optimizer, model, before, after, non_trainable):
     for i, _ in extras:
         for slot in averager.slots[i]:
             after[position[id(slot)]] = scope.get_current_value(slot)
-    non_trainable = [
-        scope.get_current_value(v) for v in model.non_trainable_variables
-    ]
-    return non_trainable, after
+    return [scope.get_current_value(v) for v in held], after
 
 
 def _distinct_buffers(donated, kept):

@@ -196,31 +196,35 @@ def _restored_class():
             return configs.from_legacy_config(legacy)
 
         def _class_name(self):
-            """The OptimizerV2 class: the prefix of its variables' names
-            (``Adamax/iter:0``: Keras 2 named them after the class), else
-            its slots and hyperparameters, where they tell it."""
+            """The OptimizerV2 class told by its slots and hyperparameters;
+            Adam's and Adamax's, which are the same, by the prefix of its
+            variables' names (``Adamax/beta_1:0``: Keras 2 named them
+            after the class)."""
             names = set(self._keo_children)
-            prefix = str(getattr(self._keo_children.get("iter"), "name",
-                                 "")).split("/")[0]
-            known = configs.CLASS_NAMES.get(prefix.lower())
-            if known is not None:
-                return known
             slot_names = {s for s, _, _ in self._keo_slot_records}
             name = slot_tables.legacy_class(slot_names, names)
-            if name == "Adam":
+            if name != "Adam":
+                if name is not None:
+                    return name
                 raise LegacyConfigError(
-                    "The restored state is Adam's or Adamax's (they keep "
-                    "the same slots and hyperparameters), and its variables "
-                    f"are named after {prefix!r}, neither class. Pass its "
+                    "Cannot tell the Keras 2 optimizer class from the "
+                    f"restored state (children {sorted(names)}). Pass its "
                     "config: `to_keras(model, config=training_config["
                     "'optimizer_config'])`.")
-            if name is not None:
-                return name
+            # Any hyperparameter's name (an `iter` read before the first
+            # step is made outside the name scope: `iter:0`).
+            prefixes = {str(getattr(child, "name", "")).split("/")[0]
+                        for child in self._keo_children.values()
+                        if "/" in str(getattr(child, "name", ""))}
+            told = {configs.CLASS_NAMES.get(p.lower()) for p in prefixes}
+            if told in ({"Adam"}, {"Adamax"}):
+                return told.pop()
             raise LegacyConfigError(
-                "Cannot tell the Keras 2 optimizer class from the restored "
-                f"state (children {sorted(names)}). Pass its config: "
-                "`to_keras(model, config=training_config['optimizer_config'])`."
-            )
+                "The restored state is Adam's or Adamax's (they keep the "
+                "same slots and hyperparameters), and its variables are "
+                f"named after {', '.join(sorted(prefixes)) or 'nothing'}, "
+                "not one of them. Pass its config: `to_keras(model, "
+                "config=training_config['optimizer_config'])`.")
 
     return RestoredOptimizer
 
