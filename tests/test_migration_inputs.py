@@ -349,6 +349,45 @@ def test_checkpoint_goes_where_its_object_paths_lead(tmp_path, kind):
                                    atol=1e-6)
 
 
+class _K3Blocks(keras.Model):
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.blocks = [keras.layers.Dense(4), keras.layers.Dense(4)]
+
+    def call(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+def test_checkpoint_of_layers_held_in_a_list_attribute(tmp_path):
+    """`self.blocks = [Dense, Dense]`: Keras 2 tracked the items by
+    position (`blocks/0/kernel`), which the object path now follows; by
+    name, the Keras 2 model's second block went to the Keras 3 model's
+    first where the two processes' layer counts differed."""
+    class K2Blocks(k2.Model):
+        def __init__(self):
+            super().__init__()
+            self.blocks = [k2.layers.Dense(4), k2.layers.Dense(4)]
+
+        def call(self, x):
+            for block in self.blocks:
+                x = block(x)
+            return x
+
+    net = K2Blocks()
+    net(np.ones((1, 4), "float32"))
+    path = str(tmp_path / "ckpt")
+    tf.train.Checkpoint(model=net).write(path)
+    keras.layers.Dense(2)  # the Keras 3 blocks are dense_1 and dense_2
+    model = _K3Blocks()
+    model(np.ones((1, 4), "float32"))
+    savedmodel.restore_checkpoint(model, path)
+    for ours, theirs in zip(model.blocks, net.blocks):
+        for got, want in zip(ours.weights, theirs.weights):
+            np.testing.assert_array_equal(to_numpy(got), want.numpy())
+
+
 class _K3Net(keras.Model):
     def __init__(self, **kwargs):
         super().__init__(**kwargs)

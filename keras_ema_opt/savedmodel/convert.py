@@ -276,10 +276,10 @@ _LAYER_CHILD = re.compile(r"layer(_with_weights)?-([0-9]+)")
 
 def _at_object_path(model, key):
     """The Keras 3 variable at a Keras 2 object path, or None: each part
-    an attribute (``d1``, ``cell``, ``kernel``), or ``layer-i`` /
-    ``layer_with_weights-i``, the i-th of the model's layers (of those
-    with weights), as Keras 2's ``Functional`` and ``Sequential`` tracked
-    them."""
+    an attribute (``d1``, ``cell``, ``kernel``), an item of a list
+    attribute (``blocks/0``), or ``layer-i`` / ``layer_with_weights-i``,
+    the i-th of the model's layers (of those with weights), as Keras 2's
+    ``Functional`` and ``Sequential`` tracked them."""
     node = model
     for part in key.split("/"):
         match = _LAYER_CHILD.fullmatch(part)
@@ -291,6 +291,11 @@ def _at_object_path(model, key):
                 layers = [layer for layer in layers if layer.weights]
             index = int(match.group(2))
             node = layers[index] if index < len(layers) else None
+        elif isinstance(node, (list, tuple)):
+            # A list attribute (`self.blocks = [...]`): Keras 2 tracked its
+            # items by position (`blocks/0/kernel`).
+            node = node[int(part)] if part.isdigit() and int(part) < len(
+                node) else None
         else:
             try:
                 node = getattr(node, part, None)
