@@ -306,8 +306,62 @@ def averaged(optimizer, averaging):
     return new
 
 
+class InnerAveraging:
+    """The averaging API of a loss-scale wrapper (``average_of``,
+    ``swap_average``, ``assign_averages``, ``averaging``, ``save_snapshot``,
+    ``track_non_trainable``), reaching its inner optimizer."""
+
+    @property
+    def averaging(self):
+        """The inner optimizer's averaging strategy (None without)."""
+        return getattr(self.inner_optimizer, "averaging", None)
+
+    def _averaging_optimizer(self, method):
+        inner = self.inner_optimizer
+        if not isinstance(inner, Optimizer) or inner.averaging is None:
+            raise InvalidArgumentError(
+                f"{method}() needs averages, and the inner optimizer "
+                f"{inner.name} ({type(inner).__name__}) keeps none: wrap "
+                "the loss-scale optimizer with keras_ema_opt.averaged(..., "
+                "EMA()), or give the inner optimizer an averaging.")
+        return inner
+
+    def average_of(self, variable, slot=0):
+        """The inner optimizer's ``average_of``: the current average of
+        ``variable`` (see ``keras_ema_opt.Optimizer.average_of``)."""
+        return self._averaging_optimizer("average_of").average_of(
+            variable, slot)
+
+    def swap_average(self, model=None, slot=0):
+        """The inner optimizer's ``swap_average``: the averages in, the raw
+        values back on exit (see ``keras_ema_opt.Optimizer.swap_average``).
+        """
+        return self._averaging_optimizer("swap_average").swap_average(
+            model, slot)
+
+    def assign_averages(self, var_list=None, slot=0):
+        """The inner optimizer's ``assign_averages``: the variables
+        overwritten with their averages (see
+        ``keras_ema_opt.Optimizer.assign_averages``)."""
+        return self._averaging_optimizer("assign_averages").assign_averages(
+            var_list, slot)
+
+    def save_snapshot(self, directory=None):
+        """The inner optimizer's ``save_snapshot`` (``PowerEMA``; see
+        ``keras_ema_opt.Optimizer.save_snapshot``)."""
+        return self._averaging_optimizer("save_snapshot").save_snapshot(
+            directory)
+
+    def track_non_trainable(self, model):
+        """The inner optimizer's ``track_non_trainable`` (see
+        ``keras_ema_opt.Optimizer.track_non_trainable``)."""
+        return self._averaging_optimizer(
+            "track_non_trainable").track_non_trainable(model)
+
+
 @keras.saving.register_keras_serializable(package="keras_ema_opt")
-class AveragedLossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
+class AveragedLossScaleOptimizer(InnerAveraging,
+                                 keras.optimizers.LossScaleOptimizer):
     """``LossScaleOptimizer`` whose inner optimizer keeps weight averages.
 
     Made by ``averaged(LossScaleOptimizer(...), averaging)``; the averaging
@@ -326,38 +380,6 @@ class AveragedLossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
     )
     ```
     """
-
-    @property
-    def averaging(self):
-        """The inner optimizer's averaging strategy."""
-        return self.inner_optimizer.averaging
-
-    def average_of(self, variable, slot=0):
-        """The inner optimizer's ``average_of``: the current average of
-        ``variable`` (see ``keras_ema_opt.Optimizer.average_of``)."""
-        return self.inner_optimizer.average_of(variable, slot)
-
-    def swap_average(self, model=None, slot=0):
-        """The inner optimizer's ``swap_average``: the averages in, the raw
-        values back on exit (see ``keras_ema_opt.Optimizer.swap_average``).
-        """
-        return self.inner_optimizer.swap_average(model, slot)
-
-    def assign_averages(self, var_list=None, slot=0):
-        """The inner optimizer's ``assign_averages``: the variables
-        overwritten with their averages (see
-        ``keras_ema_opt.Optimizer.assign_averages``)."""
-        return self.inner_optimizer.assign_averages(var_list, slot)
-
-    def save_snapshot(self, directory=None):
-        """The inner optimizer's ``save_snapshot`` (``PowerEMA``; see
-        ``keras_ema_opt.Optimizer.save_snapshot``)."""
-        return self.inner_optimizer.save_snapshot(directory)
-
-    def track_non_trainable(self, model):
-        """The inner optimizer's ``track_non_trainable`` (see
-        ``keras_ema_opt.Optimizer.track_non_trainable``)."""
-        return self.inner_optimizer.track_non_trainable(model)
 
     def apply(self, grads, trainable_variables=None):
         """Keras 3's step; on JAX an eager one runs as the stateless step

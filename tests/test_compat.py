@@ -307,6 +307,29 @@ def test_unscaled_gradients_not_applied_leave_fit_scaled():
     np.testing.assert_allclose(got, want, rtol=1e-6)
 
 
+def test_legacy_loss_scale_reaches_the_averages_of_its_inner_optimizer():
+    """A migrated mixed-precision model with use_ema: model.optimizer is
+    the wrapper, which had no averaging API (AttributeError)."""
+    w = keras.Variable(np.array([1.0, 2.0], "float32"))
+    ours = keras_ema_opt.compat.LegacyLossScaleOptimizer(
+        keras_ema_opt.SGD(0.1, use_ema=True, ema_momentum=0.5),
+        initial_scale=4.0)
+    ours.apply_gradients([(keras.ops.convert_to_tensor(
+        np.float32([4.0, 4.0])), w)])
+    # SGD: w = [0.9, 1.9]; the average starts at the weights: 0.5 w0 + 0.5 w
+    np.testing.assert_allclose(to_numpy(ours.average_of(w)), [0.95, 1.95],
+                               rtol=1e-6)
+    assert ours.averaging is ours.inner_optimizer.averaging
+    ours.assign_averages([w])
+    np.testing.assert_allclose(to_numpy(w), [0.95, 1.95], rtol=1e-6)
+    plain = keras_ema_opt.compat.LegacyLossScaleOptimizer(
+        keras.optimizers.SGD(0.1))
+    assert plain.averaging is None
+    with pytest.raises(InvalidArgumentError, match="average_of\\(\\) needs "
+                       "averages, and the inner optimizer .* keeps none"):
+        plain.average_of(w)
+
+
 @only_on("tensorflow")
 def test_legacy_loss_scale_unscales_sparse_gradients():
     ours = keras_ema_opt.compat.LegacyLossScaleOptimizer(

@@ -28,6 +28,7 @@ from keras_ema_opt import backend
 from keras_ema_opt.errors import InvalidArgumentError
 from keras_ema_opt.optimizer import Optimizer
 from keras_ema_opt.optimizers import AveragedLossScaleOptimizer
+from keras_ema_opt.optimizers import InnerAveraging
 
 _register = keras.saving.register_keras_serializable(package="keras_ema_opt")
 
@@ -258,7 +259,8 @@ def nadam_u_product(beta_1, iterations):
 
 
 @_register
-class LegacyLossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
+class LegacyLossScaleOptimizer(InnerAveraging,
+                               keras.optimizers.LossScaleOptimizer):
     """Keras 3's ``LossScaleOptimizer`` with Keras 2's: skipped steps
     counted, and the custom-loop methods.
 
@@ -275,6 +277,10 @@ class LegacyLossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
     skipped step is not counted, as Keras 3 does, since one count would
     shift the accumulation's cycle. ``keras_ema_opt.averaged()`` of one
     gives an ``AveragedLegacyLossScaleOptimizer``, which keeps counting.
+
+    Where the inner optimizer averages (a migrated ``use_ema=True``), its
+    averaging API reaches it through the wrapper (``average_of``,
+    ``swap_average``, ``assign_averages``, ``track_non_trainable``, ...).
 
     Keras 2's custom training loop runs unchanged: ``get_scaled_loss``,
     ``get_unscaled_gradients``, then ``apply_gradients`` of the unscaled
