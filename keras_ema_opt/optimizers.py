@@ -306,10 +306,18 @@ def averaged(optimizer, averaging):
     return new
 
 
-class InnerAveraging:
-    """The averaging API of a loss-scale wrapper (``average_of``,
-    ``swap_average``, ``assign_averages``, ``averaging``, ``save_snapshot``,
-    ``track_non_trainable``), reaching its inner optimizer."""
+class LossScaleWrapping:
+    """What ours adds to Keras' loss-scale wrapper: the averaging API
+    (``average_of``, ``swap_average``, ``assign_averages``, ``averaging``,
+    ``save_snapshot``, ``track_non_trainable``), reaching the inner
+    optimizer, and an eager step on JAX."""
+
+    def apply(self, grads, trainable_variables=None):
+        """Keras 3's step; on JAX an eager one runs as the stateless step
+        (Keras' wrapper steps with a ``cond`` whose branches assign, which
+        JAX traces: its eager ``apply_gradients`` failed)."""
+        if not backend.stateless_step(self, grads, trainable_variables):
+            super().apply(grads, trainable_variables)
 
     @property
     def averaging(self):
@@ -360,7 +368,7 @@ class InnerAveraging:
 
 
 @keras.saving.register_keras_serializable(package="keras_ema_opt")
-class AveragedLossScaleOptimizer(InnerAveraging,
+class AveragedLossScaleOptimizer(LossScaleWrapping,
                                  keras.optimizers.LossScaleOptimizer):
     """``LossScaleOptimizer`` whose inner optimizer keeps weight averages.
 
@@ -380,13 +388,6 @@ class AveragedLossScaleOptimizer(InnerAveraging,
     )
     ```
     """
-
-    def apply(self, grads, trainable_variables=None):
-        """Keras 3's step; on JAX an eager one runs as the stateless step
-        (Keras' wrapper steps with a ``cond`` whose branches assign, which
-        JAX traces: its eager ``apply_gradients`` failed)."""
-        if not backend.stateless_step(self, grads, trainable_variables):
-            super().apply(grads, trainable_variables)
 
 
 # ---------------------------------------------------------------------------

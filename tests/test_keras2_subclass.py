@@ -2,6 +2,9 @@
 2.11+) runs unchanged on keras_ema_opt.Optimizer, on every backend, and
 matches the same class running on tf_keras."""
 
+import sys
+from pathlib import Path
+
 import keras
 import numpy as np
 import pytest
@@ -10,48 +13,11 @@ from conftest import to_numpy
 
 import keras_ema_opt
 
+sys.path.insert(0, str(Path(__file__).parent / "scripts"))
+from keras2_idioms import keras2_momentum_sgd  # noqa: E402
+
 tf_keras = pytest.importorskip("tf_keras")
 tf = pytest.importorskip("tensorflow")
-
-
-def keras2_momentum_sgd(base, ops):
-    """The Keras 2 subclassing idiom, verbatim apart from the ops module."""
-
-    class MomentumSGD(base):
-        def __init__(self, learning_rate=0.01, momentum=0.9,
-                     name="MomentumSGD", **kwargs):
-            super().__init__(name=name, **kwargs)
-            self._learning_rate = self._build_learning_rate(learning_rate)
-            self.momentum = momentum
-
-        def build(self, var_list):
-            super().build(var_list)
-            if hasattr(self, "_built") and self._built:
-                return
-            self.momentums = [
-                self.add_variable_from_reference(
-                    model_variable=var, variable_name="m"
-                )
-                for var in var_list
-            ]
-            self._built = True
-
-        def update_step(self, gradient, variable):
-            lr = ops.cast(self.learning_rate, variable.dtype)
-            m = self.momentums[self._index_dict[self._var_key(variable)]]
-            m.assign(m * self.momentum - lr * gradient)
-            variable.assign_add(m)
-
-        def get_config(self):
-            config = super().get_config()
-            config.update({
-                "learning_rate": self._serialize_hyperparameter(
-                    self._learning_rate),
-                "momentum": self.momentum,
-            })
-            return config
-
-    return MomentumSGD
 
 
 def test_keras2_subclass_matches_tf_keras():
@@ -80,24 +46,15 @@ def keras2_sparse_momentum(base):
     """tf_keras' own SGD's sparse branch: ``tf.Variable`` methods called on
     the slots (``scatter_add``) and read back (``sparse_read``)."""
 
-    class SparseMomentum(base):
-        def __init__(self, learning_rate=0.1, name="SparseMomentum",
-                     **kwargs):
-            super().__init__(name=name, **kwargs)
-            self._learning_rate = self._build_learning_rate(learning_rate)
-
-        def build(self, var_list):
-            super().build(var_list)
-            if getattr(self, "_built", False):
-                return
-            self._built = True
-            self.ms = [self.add_variable_from_reference(v, "m")
-                       for v in var_list]
+    class SparseMomentum(keras2_momentum_sgd(base, tf)):
+        def __init__(self, **kwargs):
+            super().__init__(learning_rate=0.1, name="SparseMomentum",
+                             **kwargs)
 
         def update_step(self, gradient, variable):
-            m = self.ms[self._index_dict[self._var_key(variable)]]
+            m = self.momentums[self._index_dict[self._var_key(variable)]]
             lr = tf.cast(self.learning_rate, variable.dtype)
-            m.assign(0.9 * m)
+            m.assign(self.momentum * m)
             m.scatter_add(tf.IndexedSlices(-gradient.values * lr,
                                            gradient.indices))
             rows = m.sparse_read(gradient.indices)
@@ -125,20 +82,20 @@ def test_keras2_subclass_calling_tf_variable_methods_on_its_slots(
         theirs.apply_gradients([(grad, theirs_v)])
     np.testing.assert_allclose(to_numpy(ours_v), theirs_v.numpy(),
                                rtol=1e-6)
-    np.testing.assert_allclose(to_numpy(ours.ms[0]), theirs.ms[0].numpy(),
+    np.testing.assert_allclose(to_numpy(ours.momentums[0]), theirs.momentums[0].numpy(),
                                rtol=1e-6)
     if use_ema:
         np.testing.assert_allclose(
             to_numpy(ours._model_variables_moving_average[0]),
             theirs._model_variables_moving_average[0].numpy(), rtol=1e-6)
-    assert isinstance(ours.ms[0], keras.Variable)
+    assert isinstance(ours.momentums[0], keras.Variable)
     # A checkpoint restores into the slots as into any variable.
     checkpoint = tf.train.Checkpoint(opt=ours)
     saved = checkpoint.write(str(tmp_path / "ckpt"))
-    before = to_numpy(ours.ms[0])
-    ours.ms[0].assign(np.zeros((4, 2), "float32"))
+    before = to_numpy(ours.momentums[0])
+    ours.momentums[0].assign(np.zeros((4, 2), "float32"))
     checkpoint.read(saved).assert_consumed()
-    np.testing.assert_array_equal(to_numpy(ours.ms[0]), before)
+    np.testing.assert_array_equal(to_numpy(ours.momentums[0]), before)
 
 
 def test_keras2_subclass_config_round_trip_and_schedule():

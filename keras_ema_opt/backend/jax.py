@@ -87,11 +87,7 @@ def compiled_apply(optimizer, grads, variables):
         or any(isinstance(g, jax.core.Tracer) for g in grads)
     ):
         return optimizer.apply(grads, variables)
-    if not optimizer.built:
-        with keras.name_scope(optimizer.name, caller=optimizer):
-            optimizer.build(variables)
-        optimizer.built = True
-    optimizer._check_variables_are_known(variables)
+    _built_on(optimizer, variables)
     grads, variables = optimizer._filter_empty_gradients(grads, variables)
     model_vars = list(optimizer._trainable_variables)
     opt_vars = optimizer.variables
@@ -141,11 +137,7 @@ def stateless_step(optimizer, grads, trainable_variables):
         return False
     variables = list(optimizer._trainable_variables
                      if trainable_variables is None else trainable_variables)
-    if not optimizer.built:
-        with keras.name_scope(optimizer.name, caller=optimizer):
-            optimizer.build(variables)
-        optimizer.built = True
-    optimizer._check_variables_are_known(variables)
+    _built_on(optimizer, variables)
     # `stateless_apply` takes a gradient for each variable the optimizer
     # was built on, in that order: those given go to their places, None
     # elsewhere (no step for them, as an eager step of a subset takes).
@@ -168,18 +160,25 @@ def stateless_step(optimizer, grads, trainable_variables):
             before, full, [v.value for v in built])
     finally:
         averaging._keo_fit_step = False
-    held = []
+    held, values = [], []
     if has_extras:
         held = [v for _, v in averaging._averager.extras()]
         values, new_opt = _update_extras(averaging, optimizer, held, before,
                                          new_opt, [v.value for v in held])
-    for var, value in zip(built, new_model):
-        var.assign(value)
-    for var, value in zip(opt_vars, new_opt):
-        var.assign(value)
-    for var, value in zip(held, values if held else []):
+    for var, value in zip(built + opt_vars + held,
+                          list(new_model) + list(new_opt) + list(values)):
         var.assign(value)
     return True
+
+
+def _built_on(optimizer, variables):
+    """Build ``optimizer`` on ``variables`` where it is not built (as
+    Keras' ``apply`` does), and refuse variables it was not built on."""
+    if not optimizer.built:
+        with keras.name_scope(optimizer.name, caller=optimizer):
+            optimizer.build(variables)
+        optimizer.built = True
+    optimizer._check_variables_are_known(variables)
 
 
 def _make_step(optimizer, variables, model_vars, opt_vars, read_vars, donate):

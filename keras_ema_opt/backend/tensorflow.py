@@ -27,6 +27,7 @@ host_array = _common.host_array
 forward_spans_processes = _common.forward_spans_processes
 chief_only_scope = _common.chief_only_scope
 whole_values_scope = _common.whole_values_scope
+stateless_step = _common.stateless_step
 _tf_variable = _tf_cpu.tf_variable
 
 
@@ -134,9 +135,6 @@ class _Keras2SlotVariable(keras.Variable):
 
 for _name in _TF_VARIABLE_METHODS:
     setattr(_Keras2SlotVariable, _name, _delegate(_name))
-
-
-stateless_step = _common.stateless_step
 
 
 def scale_gradient(grad, factor):

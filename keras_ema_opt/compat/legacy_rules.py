@@ -28,7 +28,7 @@ from keras_ema_opt import backend
 from keras_ema_opt.errors import InvalidArgumentError
 from keras_ema_opt.optimizer import Optimizer
 from keras_ema_opt.optimizers import AveragedLossScaleOptimizer
-from keras_ema_opt.optimizers import InnerAveraging
+from keras_ema_opt.optimizers import LossScaleWrapping
 
 _register = keras.saving.register_keras_serializable(package="keras_ema_opt")
 
@@ -259,7 +259,7 @@ def nadam_u_product(beta_1, iterations):
 
 
 @_register
-class LegacyLossScaleOptimizer(InnerAveraging,
+class LegacyLossScaleOptimizer(LossScaleWrapping,
                                keras.optimizers.LossScaleOptimizer):
     """Keras 3's ``LossScaleOptimizer`` with Keras 2's: skipped steps
     counted, and the custom-loop methods.
@@ -330,10 +330,10 @@ class LegacyLossScaleOptimizer(InnerAveraging,
             2.0**15 if initial_scale is None else initial_scale,
             2000 if dynamic_growth_steps is None else dynamic_growth_steps,
             name=name, **kwargs)
-        self._make_scale_variables()
         self._keo_unscale_next = False
         self._keo_given_unscaled = False
         self._keo_in_step = False
+        self._make_scale_variables()
 
     @tracking.no_automatic_dependency_tracking
     def _make_scale_variables(self):
@@ -443,11 +443,7 @@ class LegacyLossScaleOptimizer(InnerAveraging,
 
     def apply(self, grads, trainable_variables=None):
         with self._step_gradients():
-            # JAX: Keras 3's stateful step is a `cond` whose branches
-            # assign, which JAX traces (it failed eagerly): its stateless
-            # step, on the variables' values.
-            if not backend.stateless_step(self, grads, trainable_variables):
-                super().apply(grads, trainable_variables)
+            super().apply(grads, trainable_variables)
 
     def stateless_apply(self, optimizer_variables, grads,
                         trainable_variables):
@@ -460,7 +456,7 @@ class LegacyLossScaleOptimizer(InnerAveraging,
         """A step: its gradients are unscaled where
         ``get_unscaled_gradients`` gave them since the last step (a step
         within a step, the outer one's)."""
-        if self.__dict__.get("_keo_in_step"):
+        if self._keo_in_step:
             yield
             return
         self._keo_given_unscaled = self._keo_unscale_next
@@ -476,7 +472,7 @@ class LegacyLossScaleOptimizer(InnerAveraging,
         # Keras 3's wrapper divides each gradient by the scale but where
         # this is true (a variable that takes its gradient as its value);
         # gradients `get_unscaled_gradients` gave are not divided again.
-        return self.__dict__.get("_keo_given_unscaled", False) or (
+        return self._keo_given_unscaled or (
             super()._overwrite_variable_with_gradient(variable))
 
     def _counts_skipped(self):
