@@ -126,7 +126,6 @@ def test_every_format_is_trained_from_under_every_model():
     for optimizer in NEW + LEGACY:
         assert len({f for c, f in pairs
                     if c.split(":")[0] == optimizer}) >= 3, optimizer
-    assert {f for _, f in _trained(TF212_CASES_AS_CASES)} == set(FORMATS)
     assert len(_trained(CASES)) + len(_other_formats(CASES)) == len(
         CASES) * len(FORMATS)
 
@@ -142,44 +141,70 @@ def test_every_format_migrates_to_the_same_state(artifacts, case, fmt):
                       _trained_format(CASES, case))
 
 
-TF212 = os.path.join(ROOT, "tests", "fixtures", "tf2.12")
-TF212_CASES = sorted(c for c in os.listdir(TF212)
-                     if os.path.isdir(os.path.join(TF212, c)))
-# As CASES spell them ("adam:mlp"): folder names are "adam-mlp".
-TF212_CASES_AS_CASES = [c.rsplit("-", 1)[0] + ":" + c.rsplit("-", 1)[1]
-                        for c in TF212_CASES]
+# Committed fixture sets written by older TensorFlow releases themselves
+# (``tests/scripts/make_old_tf_fixtures.sh VERSION``): tf.keras 2.12, and
+# Keras 2.15, the last Keras 2 that TensorFlow shipped as ``tf.keras``.
+OLD_TF = {version: os.path.join(ROOT, "tests", "fixtures", f"tf{version}")
+          for version in ("2.12", "2.15")}
+def _old_cases(version):
+    """A set's cases as CASES spell them ("adam:mlp"; folders "adam-mlp")."""
+    folder = OLD_TF[version]
+    return sorted(c.rsplit("-", 1)[0] + ":" + c.rsplit("-", 1)[1]
+                  for c in os.listdir(folder)
+                  if os.path.isdir(os.path.join(folder, c)))
 
 
-def test_tf212_fixture_set_is_complete():
-    """The committed set (``tests/scripts/make_tf212_fixtures.sh``): every
-    optimizer Keras 2.12 has, on the MLP, and a few on each other model,
-    written by TensorFlow 2.12.1 itself."""
-    with open(os.path.join(TF212, "TENSORFLOW_VERSION")) as f:
-        assert f.read().strip() == "2.12.1"
-    mlp = {c[:-len("-mlp")] for c in TF212_CASES if c.endswith("-mlp")}
-    assert mlp == set(NEW + LEGACY) - {"lion"}  # Lion came in Keras 2.13
-    assert {c.rsplit("-", 1)[1] for c in TF212_CASES} == {
+# Lion came in Keras 2.13.
+OLD_TF_OPTIMIZERS = {"2.12": set(NEW + LEGACY) - {"lion"},
+                     "2.15": set(NEW + LEGACY)}
+OLD_TF_RELEASES = {"2.12": "2.12.1", "2.15": "2.15.1"}
+
+
+@pytest.mark.parametrize("version", sorted(OLD_TF))
+def test_old_tf_fixture_sets_are_complete(version):
+    """Each committed set: every optimizer its Keras 2 has, on the MLP, and
+    a few on each other model, written by that TensorFlow release itself."""
+    folder = OLD_TF[version]
+    release = OLD_TF_RELEASES[version]
+    with open(os.path.join(folder, "TENSORFLOW_VERSION")) as f:
+        assert f.read().strip() == release
+    cases = _old_cases(version)
+    assert {c.split(":")[0] for c in cases if c.endswith(":mlp")} == (
+        OLD_TF_OPTIMIZERS[version])
+    assert {c.split(":")[1] for c in cases} == {
         "mlp", "conv", "embed", "nested", "rnn", "custom"}
-    for case in TF212_CASES:
-        with open(os.path.join(TF212, case, "info.json")) as f:
-            assert json.load(f)["tensorflow"] == "2.12.1"
+    assert {f for _, f in _trained(cases)} == set(FORMATS)
+    for case in cases:
+        with open(os.path.join(folder, case.replace(":", "-"),
+                               "info.json")) as f:
+            assert json.load(f)["tensorflow"] == release
 
 
-def _tf212_folder(case):
-    return os.path.join(TF212, case.replace(":", "-"))
+def _old(version, pairs):
+    return [pytest.param(os.path.join(OLD_TF[version], c.replace(":", "-")),
+                         f, id=f"{version}-{c}-{f}") for c, f in pairs]
 
 
-@pytest.mark.parametrize("case,fmt", _trained(TF212_CASES_AS_CASES))
-def test_tf212_artifacts_continue_like_tf_keras_212(case, fmt):
-    """Artifacts of tf.keras 2.12, continued 5 steps by 2.12 itself when
-    they were made: the committed ``expected.npz`` is its result."""
-    _check_continuation(_tf212_folder(case), fmt)
+@pytest.mark.parametrize("folder,fmt", [
+    p for v in sorted(OLD_TF) for p in _old(v, _trained(_old_cases(v)))])
+def test_old_tf_artifacts_continue_like_their_keras_2(folder, fmt):
+    """Artifacts of tf.keras 2.12 and Keras 2.15, continued 5 steps by that
+    release itself when they were made: the committed ``expected.npz`` is
+    its result."""
+    _check_continuation(folder, fmt)
 
 
-@pytest.mark.parametrize("case,fmt", _other_formats(TF212_CASES_AS_CASES))
-def test_every_tf212_format_migrates_to_the_same_state(case, fmt):
-    _check_same_state(_tf212_folder(case), fmt,
-                      _trained_format(TF212_CASES_AS_CASES, case))
+def _old_other_formats(version):
+    cases = _old_cases(version)
+    return [pytest.param(os.path.join(OLD_TF[version], c.replace(":", "-")),
+                         f, _trained_format(cases, c), id=f"{version}-{c}-{f}")
+            for c, f in _other_formats(cases)]
+
+
+@pytest.mark.parametrize("folder,fmt,trained", [
+    p for v in sorted(OLD_TF) for p in _old_other_formats(v)])
+def test_every_old_tf_format_migrates_to_the_same_state(folder, fmt, trained):
+    _check_same_state(folder, fmt, trained)
 
 
 def _migrate(folder, fmt):
@@ -315,7 +340,7 @@ for folder, path in json.loads(sys.argv[1]):
     for i in range(steps):
         model.train_on_batch(exp[f"x{i}"], exp[f"y{i}"])
     key = "after" if steps else "before"
-    out[folder.rsplit("/", 1)[-1] + "/" + path] = max(
+    out["/".join(folder.split("/")[-2:]) + "/" + path] = max(
         float(np.max(np.abs(keras.ops.convert_to_numpy(variable(model, n))
                             - exp[f"{key}{i}"])))
         for i, n in enumerate(info["weights"]))
@@ -327,13 +352,16 @@ print(json.dumps({"worst": out,
 @only_on("jax", "torch")  # the TensorFlow backend needs TensorFlow
 def test_migration_with_tensorflow_blocked(artifacts):
     """Every format, from this run's tf_keras and from the committed
-    tf.keras 2.12 set, migrated and continued with TensorFlow (and
-    tf_keras) blocked from import: numpy and h5py only."""
+    tf.keras 2.12 and Keras 2.15 sets, migrated and continued with
+    TensorFlow (and tf_keras) blocked from import: numpy and h5py only."""
     cases = [(os.path.join(artifacts, "adam_ema-conv"), path)
              for path in (*FORMATS.values(), "model.keras")]
     cases += [(os.path.join(artifacts, "L_nadam-nested"), "savedmodel")]
-    cases += [(os.path.join(TF212, "L_rmsprop-rnn"), path)
+    cases += [(os.path.join(OLD_TF["2.12"], "L_rmsprop-rnn"), path)
               for path in ("savedmodel", "model.h5", "ckpt/ckpt")]
+    cases += [(os.path.join(OLD_TF["2.15"], "adam_ema-conv"), path)
+              for path in ("savedmodel", "model.h5", "weights/w",
+                           "model.keras")]
     result = last_json(run_python("-c", NO_TF, json.dumps(cases),
                                   backend=BACKEND, timeout=300))
     assert result["tensorflow"] is False

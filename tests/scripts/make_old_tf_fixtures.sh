@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# Regenerate a committed fixture set, tests/fixtures/tf2.12/ or
+# tests/fixtures/tf2.15/, with that TensorFlow release's own Keras 2
+# (tf.keras 2.12 in TensorFlow 2.12.1; Keras 2.15, the `keras` package that
+# TensorFlow 2.15.1 ships as tf.keras), in a separate Python 3.11 virtual
+# environment (about 20 s to install from the package registry):
+#
+#     bash tests/scripts/make_old_tf_fixtures.sh 2.12|2.15 [PYTHON3.11]
+#
+# tests/test_migration.py reads every case in the folder (OLD_TF) and checks
+# the set is complete. The set is small on purpose: every optimizer that
+# Keras 2 release has (new and OptimizerV2, EMA on and off) on the MLP, and
+# a few on the other models, each in all four formats.
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+VERSION=${1:?usage: make_old_tf_fixtures.sh 2.12|2.15 [PYTHON3.11]}
+PYTHON=${2:-python3.11}
+case "$VERSION" in
+    2.12) RELEASE=2.12.1; OPTIMIZERS="" ;;
+    2.15) RELEASE=2.15.1; OPTIMIZERS="lion" ;;  # Lion came in Keras 2.13
+    *) echo "no fixture set for TensorFlow $VERSION (2.12 or 2.15)" >&2
+       exit 2 ;;
+esac
+VENV=${KEO_OLD_TF_VENV:-/tmp/keo-tf$VERSION}
+if [ ! -x "$VENV/bin/python" ]; then
+    "$PYTHON" -m venv "$VENV"
+    "$VENV/bin/pip" install -q "tensorflow-cpu==$RELEASE" "h5py<3.17"
+fi
+OPTIMIZERS="sgd sgd_ema adam adam_ema adamw adagrad adadelta adamax nadam
+    rmsprop_ema ftrl adafactor $OPTIMIZERS L_sgd L_adam L_adagrad L_adadelta
+    L_adamax L_nadam L_rmsprop L_rmsprop_m L_ftrl"
+CASES=""
+for o in $OPTIMIZERS; do CASES="$CASES $o:mlp"; done
+CASES="$CASES adam_ema:conv L_sgd:conv rmsprop_ema:embed L_adagrad:embed
+    sgd_ema:nested L_rmsprop:rnn adam:custom"
+OUT=tests/fixtures/tf$VERSION
+rm -rf "$OUT.tmp"
+mkdir -p "$OUT.tmp"
+# TensorFlow 2.15 would look for tf_keras where TF_USE_LEGACY_KERAS is set
+# (make_legacy_artifacts.py sets it for TensorFlow 2.16 and later).
+TF_USE_LEGACY_KERAS=0 CUDA_VISIBLE_DEVICES="" TF_CPP_MIN_LOG_LEVEL=3 \
+    "$VENV/bin/python" tests/scripts/make_legacy_artifacts.py "$OUT.tmp" $CASES
+"$VENV/bin/python" -c "import tensorflow as tf; print(tf.__version__)" \
+    > "$OUT.tmp/TENSORFLOW_VERSION"
+rm -rf "$OUT"
+mv "$OUT.tmp" "$OUT"
+du -sh "$OUT"
