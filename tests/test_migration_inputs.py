@@ -388,6 +388,249 @@ def test_checkpoint_of_layers_held_in_a_list_attribute(tmp_path):
             np.testing.assert_array_equal(to_numpy(got), want.numpy())
 
 
+class _K3Parts(keras.Model):
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.parts = {"proj": keras.layers.Dense(4),
+                      "head": keras.layers.Dense(4)}
+
+    def call(self, x):
+        return self.parts["head"](self.parts["proj"](x))
+
+
+def test_checkpoint_of_layers_held_in_a_dict_attribute(tmp_path):
+    """`self.parts = {"proj": Dense, "head": Dense}`: Keras 2 tracked the
+    items by key (`parts/proj/kernel`); by name, the Keras 2 model's
+    layers went to the Keras 3 model's others where the two processes'
+    layer counts differed (`weight 'parts/proj/bias' has no place`)."""
+    class K2Parts(k2.Model):
+        def __init__(self):
+            super().__init__()
+            self.parts = {"proj": k2.layers.Dense(4),
+                          "head": k2.layers.Dense(4)}
+
+        def call(self, x):
+            return self.parts["head"](self.parts["proj"](x))
+
+    k2.backend.clear_session()
+    net = K2Parts()  # its layers are dense and dense_1
+    net(np.ones((1, 4), "float32"))
+    path = str(tmp_path / "ckpt")
+    tf.train.Checkpoint(model=net).write(path)
+    keras.layers.Dense(2)  # the Keras 3 layers are numbered after it
+    model = _K3Parts()
+    model(np.ones((1, 4), "float32"))
+    savedmodel.restore_checkpoint(model, path)
+    for key in ("proj", "head"):
+        for got, want in zip(model.parts[key].weights,
+                             net.parts[key].weights):
+            np.testing.assert_array_equal(to_numpy(got), want.numpy())
+
+
+class _K3Guide(keras.Model):
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.hidden = keras.layers.Dense(5, activation="tanh")
+        self.out = keras.layers.Dense(2)
+
+    def call(self, x):
+        return self.out(self.hidden(x))
+
+
+def test_custom_loop_checkpoint_of_a_subclassed_model_under_its_own_name(
+        tmp_path):
+    """TensorFlow's checkpoint guide: `tf.train.Checkpoint(step=...,
+    optimizer=opt, net=Net())` written by a `CheckpointManager`. A
+    subclassed model has attribute children, not `layer-N` ones: the root
+    was taken for the model, and its `step` and `save_counter` for model
+    weights (`weight 'save_counter' has no place`)."""
+    class K2Guide(k2.Model):
+        def __init__(self):
+            super().__init__()
+            self.hidden = k2.layers.Dense(5, activation="tanh")
+            self.out = k2.layers.Dense(2)
+
+        def call(self, x):
+            return self.out(self.hidden(x))
+
+    net, opt = K2Guide(), k2.optimizers.Adam(0.01, use_ema=True,
+                                             ema_momentum=0.9)
+    checkpoint = tf.train.Checkpoint(step=tf.Variable(0), optimizer=opt,
+                                     net=net)
+    manager = tf.train.CheckpointManager(checkpoint, str(tmp_path / "run"),
+                                         max_to_keep=2)
+    batches = _batches(5)
+
+    def step(x, y):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean(tf.square(net(x) - y))
+        grads = tape.gradient(loss, net.trainable_variables)
+        opt.apply_gradients(zip(grads, net.trainable_variables))
+
+    for x, y in batches[:3]:
+        step(x, y)
+        checkpoint.step.assign_add(1)
+        manager.save()
+
+    def build():
+        keras.layers.Dense(1)  # built after another layer, as in a notebook
+        model = _K3Guide()
+        model(np.zeros((1, 4), "float32"))
+        model.compile(optimizer=keras_ema_opt.Adam(
+            0.01, use_ema=True, ema_momentum=0.9), loss="mse")
+        return model
+
+    model = savedmodel.load_legacy(str(tmp_path / "run"), model=build)
+    assert int(to_numpy(model.optimizer.iterations)) == 3
+    for x, y in batches[3:]:
+        step(x, y)
+        model.train_on_batch(x, y)
+    for layer in ("hidden", "out"):
+        for got, want in zip(getattr(model, layer).weights,
+                             getattr(net, layer).weights):
+            np.testing.assert_allclose(to_numpy(got), want.numpy(),
+                                       rtol=1e-5, atol=1e-6)
+    averages = {id(v): a for v, a in zip(
+        model.trainable_variables,
+        model.optimizer._model_variables_moving_average)}
+    for layer in ("hidden", "out"):
+        for ours, theirs in zip(getattr(model, layer).trainable_weights,
+                                getattr(net, layer).trainable_weights):
+            np.testing.assert_allclose(
+                to_numpy(averages[id(ours)]),
+                opt._model_variables_moving_average[opt._index_dict[
+                    opt._var_key(theirs)]].numpy(), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("fmt", ["save_weights", "model.save"])
+def test_h5_into_a_given_model_goes_by_layer_order(tmp_path, fmt):
+    """An `.h5` file into a model built after another layer: its layers
+    are named `dense_1`... where the file's are `dense`..., and by name the
+    file's second layer went to the model's first (`weight
+    'dense/dense/kernel' has no place`). Keras' own `load_weights` places
+    an `.h5` file by layer order; so does the bridge, where every layer
+    agrees weight by weight."""
+    def build(layers, module):
+        return module.Sequential([
+            layers.Input((4,)), layers.Dense(4, activation="tanh"),
+            layers.BatchNormalization(), layers.Dense(4, activation="tanh"),
+            layers.Dense(4)])
+
+    k2.backend.clear_session()
+    net = build(k2.layers, k2)  # dense, batch_normalization, dense_1, ...
+    net.compile(optimizer=k2.optimizers.Adam(0.01), loss="mse")
+    rng = np.random.RandomState(5)
+    batches = [(rng.randn(8, 4).astype("float32"),
+                rng.randn(8, 4).astype("float32")) for _ in range(4)]
+    for x, y in batches[:2]:
+        net.train_on_batch(x, y)
+    path = str(tmp_path / "m.h5")
+    if fmt == "save_weights":
+        net.save_weights(path)
+    else:
+        net.save(path)
+
+    def k3_model():
+        keras.layers.Dense(1)
+        keras.layers.BatchNormalization()
+        model = build(keras.layers, keras)
+        model.compile(optimizer=keras_ema_opt.Adam(0.01), loss="mse")
+        return model
+
+    model = savedmodel.load_legacy(path, model=k3_model)
+    for got, want in zip(model.weights, net.weights):
+        np.testing.assert_array_equal(to_numpy(got), want.numpy())
+    if fmt == "save_weights":
+        return  # no optimizer state to resume
+    assert int(to_numpy(model.optimizer.iterations)) == 2
+    for x, y in batches[2:]:
+        net.train_on_batch(x, y)
+        model.train_on_batch(x, y)
+    for got, want in zip(model.weights, net.weights):
+        np.testing.assert_allclose(to_numpy(got), want.numpy(), rtol=1e-5,
+                                   atol=1e-6)
+
+
+def test_h5_layer_order_gives_way_to_names_that_disagree(tmp_path):
+    """Placed by layer order only where each weight's shape and name agree:
+    a given model whose layers come in another order, named as the file's,
+    is placed by name."""
+    k2.backend.clear_session()
+    inputs = k2.Input((4,))
+    a = k2.layers.Dense(3, name="a")(inputs)
+    b = k2.layers.Dense(3, name="b")(inputs)
+    net = k2.Model(inputs, k2.layers.Concatenate(name="c")([a, b]))
+    net.save_weights(str(tmp_path / "w.h5"))
+
+    def k3_model():
+        inputs = keras.Input((4,))
+        b = keras.layers.Dense(3, name="b")
+        a = keras.layers.Dense(3, name="a")
+        model = keras.Model(inputs, keras.layers.Concatenate(name="c")(
+            [b(inputs), a(inputs)]))
+        assert [layer.name for layer in model.layers][1:3] == ["b", "a"]
+        return model
+
+    model = savedmodel.load_legacy(str(tmp_path / "w.h5"), model=k3_model)
+    for name in ("a", "b"):
+        np.testing.assert_array_equal(
+            to_numpy(model.get_layer(name).kernel),
+            net.get_layer(name).kernel.numpy())
+
+
+def test_adapted_vocabulary_is_named_not_lost(tmp_path):
+    """An adapted `TextVectorization` keeps its vocabulary in a lookup
+    table of the SavedModel's graph: the layer built from the config had
+    none (every token out of vocabulary), without a word. Refused, naming
+    the layer; with the model given, holding the vocabulary, it
+    migrates."""
+    corpus = np.array(["the cat sat", "the dog ran far", "a cat ran"])
+    vectorize = k2.layers.TextVectorization(
+        max_tokens=20, output_sequence_length=4, name="tv")
+    vectorize.adapt(corpus)
+    vocabulary = vectorize.get_vocabulary()
+    inputs = k2.Input((1,), dtype="string")
+    x = k2.layers.Embedding(20, 3, name="emb")(vectorize(inputs))
+    outputs = k2.layers.Dense(1, name="out")(
+        k2.layers.GlobalAveragePooling1D()(x))
+    net = k2.Model(inputs, outputs)
+    net.compile(optimizer=k2.optimizers.Adam(0.01), loss="mse")
+    x_text = corpus.reshape(-1, 1)
+    y = np.array([[1.0], [0.0], [1.0]], "float32")
+    net.train_on_batch(x_text, y)
+    path = str(tmp_path / "savedmodel")
+    net.save(path, save_format="tf")
+
+    with pytest.raises(LegacyConfigError,
+                       match=r"layer 'tv' \(TextVectorization\) was "
+                             rf"adapted: its vocabulary of {len(vocabulary)} "
+                             "entries"):
+        savedmodel.load_legacy(path)
+    out = tmp_path / "new.keras"
+    assert main(["migrate", path, str(out), "--quiet"]) == 1
+    assert not out.exists()
+
+    def k3_model():
+        inputs = keras.Input((1,), dtype="string")
+        tv = keras.layers.TextVectorization(
+            max_tokens=20, output_sequence_length=4, name="tv",
+            vocabulary=vocabulary)
+        x = keras.layers.Embedding(20, 3, name="emb")(tv(inputs))
+        outputs = keras.layers.Dense(1, name="out")(
+            keras.layers.GlobalAveragePooling1D()(x))
+        model = keras.Model(inputs, outputs)
+        model.compile(optimizer=keras_ema_opt.Adam(0.01), loss="mse")
+        return model
+
+    model = savedmodel.load_legacy(path, model=k3_model)
+    np.testing.assert_array_equal(
+        to_numpy(model.get_layer("tv")(x_text)), vectorize(x_text).numpy())
+    for name in ("emb", "out"):
+        for got, want in zip(model.get_layer(name).weights,
+                             net.get_layer(name).weights):
+            np.testing.assert_array_equal(to_numpy(got), want.numpy())
+
+
 class _K3Net(keras.Model):
     def __init__(self, **kwargs):
         super().__init__(**kwargs)

@@ -3,6 +3,7 @@ training: the model from its Keras 2 config, the weights placed by name
 and shape, the optimizer through ``keras_ema_opt.compat`` with every slot,
 the iteration count, the learning rate and the EMA averages assigned."""
 
+import collections.abc
 import json
 import re
 import warnings
@@ -64,7 +65,7 @@ def build_model(record, custom_objects=None, safe_mode=True):
             warnings.filterwarnings(
                 "ignore", message="Do not pass an `input_shape`",
                 category=UserWarning)
-            return saving_utils.model_from_config(
+            model = saving_utils.model_from_config(
                 config, custom_objects=custom_objects)
     except (TypeError, ValueError, KeyError, AttributeError) as e:
         raise LegacyConfigError(
@@ -74,6 +75,60 @@ def build_model(record, custom_objects=None, safe_mode=True):
             "subclassed model, which your code builds, through `model=` / "
             "`--model module:function`."
         ) from e
+    _check_vocabularies(record, model)
+    return model
+
+
+_LOOKUPS = ("TextVectorization", "StringLookup", "IntegerLookup")
+
+
+def _adapted_sizes(config, out=None):
+    """``{layer name: vocabulary size}`` of the lookup layers in a Keras 2
+    model config whose vocabulary was not given (``adapt`` made it)."""
+    out = {} if out is None else out
+    if isinstance(config, list):
+        for item in config:
+            _adapted_sizes(item, out)
+    elif isinstance(config, dict):
+        inner = config.get("config")
+        if config.get("class_name") in _LOOKUPS and isinstance(inner, dict) \
+                and inner.get("vocabulary") is None and isinstance(
+                    inner.get("vocabulary_size"), int):
+            out[inner.get("name")] = inner["vocabulary_size"]
+        for value in config.values():
+            _adapted_sizes(value, out)
+    return out
+
+
+def _check_vocabularies(record, model):
+    """An adapted ``TextVectorization`` / ``StringLookup`` /
+    ``IntegerLookup`` keeps its vocabulary in a lookup table of the
+    SavedModel's graph, not in a variable or the config: the layer built
+    from the config would map every token to the out-of-vocabulary index,
+    without a word. Refused, naming the layer (a warning where only the
+    config was given, ``model_from_config``)."""
+    sizes = _adapted_sizes(record.model_config)
+    if not sizes:
+        return
+    for layer in model._flatten_layers(include_self=False, recursive=True):
+        wanted = sizes.get(layer.name)
+        size = getattr(layer, "vocabulary_size", None)
+        if wanted is None or not callable(size) or int(size()) >= wanted:
+            continue
+        message = (
+            f"{record.path}: layer {layer.name!r} ({type(layer).__name__}) "
+            f"was adapted: its vocabulary of {wanted} entries was kept in "
+            "a lookup table of the Keras 2 graph, which is not migrated "
+            f"(the layer built from the config has {int(size())}).")
+        if record.format == "config":
+            # `model_from_config`: the caller has the model to adapt.
+            warnings.warn(message + " Give it its vocabulary "
+                          "(`set_vocabulary` or `adapt`).", stacklevel=3)
+            continue
+        raise LegacyConfigError(
+            message + " Build the model with the layer's vocabulary "
+            "(`vocabulary=` or `adapt`) and pass it (`model=` / `--model "
+            "module:function`).")
 
 
 def _first_line(error):
@@ -112,6 +167,11 @@ def assign_weights(record, model, given=False):
        (``time_distributed/kernel``; Keras 3 names them after the inner
        layer, ``dense_4/kernel``).
 
+    An ``.h5`` file into a model the user gave goes first by layer order,
+    as Keras 2's and Keras 3's own ``load_weights`` place it
+    (``_by_layer_order``), where the two models' layers agree weight by
+    weight.
+
     Raises:
         LegacyStateError: a weight with no place, or a model variable left
             without a value (both named, with shapes).
@@ -122,6 +182,9 @@ def assign_weights(record, model, given=False):
     paths = _weight_paths(model)
     used = set()
     mapping = {}
+    if given and record.format == "h5":
+        mapping.update(_by_layer_order(record, model))
+        used.update(id(var) for var in mapping.values())
     if given and record.format in ("savedmodel", "checkpoint"):
         known = {id(v) for v in targets}
         for key, value in record.weights.items():
@@ -162,6 +225,49 @@ def assign_weights(record, model, given=False):
     for key, var in mapping.items():
         var.assign(np.asarray(record.weights[key]).astype(
             keras.backend.standardize_dtype(var.dtype)))
+    return mapping
+
+
+def _legacy_weights(layer):
+    return list(layer.trainable_weights) + list(layer.non_trainable_weights)
+
+
+def _by_layer_order(record, model):
+    """``{key: variable}`` of an ``.h5`` record placed as Keras' own
+    ``load_weights`` places an ``.h5`` file: the i-th of the file's layers
+    with weights into the i-th of the model's, each layer's weights in
+    order (trainable, then non-trainable). Keras 2 made up names such as
+    ``dense_1`` by counting the layers its process had made, so a model
+    built after another layer names them apart from the file's; the
+    order does not change. Taken only where the whole file agrees with
+    the model: as many layers, and each weight with the same shape and the
+    same last name (``kernel``, ``moving_mean``; or the name Keras 3 gave
+    it instead), and the layer names differ (the same names place each
+    layer, whatever the order); ``{}`` otherwise, and the weights go by
+    name."""
+    from keras_ema_opt.compat.model_configs import RENAMED_WEIGHTS
+
+    renamed = {(old, new) for table in RENAMED_WEIGHTS.values()
+               for old, new in table.items()}
+    groups = {}
+    for key in record.weights:
+        groups.setdefault(key.split("/")[0], []).append(key)
+    layers = [layer for layer in model.layers if _legacy_weights(layer)]
+    if len(groups) != len(layers) or set(groups) == {
+            layer.name for layer in layers}:
+        return {}  # the same layer names: they place it
+    mapping = {}
+    for keys, layer in zip(groups.values(), layers):
+        weights = _legacy_weights(layer)
+        if len(keys) != len(weights):
+            return {}
+        for key, var in zip(keys, weights):
+            old = record.names.get(key, key).split("/")[-1]
+            new = var.path.split("/")[-1]
+            if tuple(np.shape(record.weights[key])) != tuple(var.shape) or (
+                    old != new and (old, new) not in renamed):
+                return {}
+            mapping[key] = var
     return mapping
 
 
@@ -277,7 +383,7 @@ _LAYER_CHILD = re.compile(r"layer(_with_weights)?-([0-9]+)")
 def _at_object_path(model, key):
     """The Keras 3 variable at a Keras 2 object path, or None: each part
     an attribute (``d1``, ``cell``, ``kernel``), an item of a list
-    attribute (``blocks/0``), or ``layer-i`` / ``layer_with_weights-i``,
+    attribute (``blocks/0``) or of a dict attribute (``parts/proj``), or ``layer-i`` / ``layer_with_weights-i``,
     the i-th of the model's layers (of those with weights), as Keras 2's
     ``Functional`` and ``Sequential`` tracked them."""
     node = model
@@ -296,6 +402,10 @@ def _at_object_path(model, key):
             # items by position (`blocks/0/kernel`).
             node = node[int(part)] if part.isdigit() and int(part) < len(
                 node) else None
+        elif isinstance(node, collections.abc.Mapping):
+            # A dict attribute (`self.parts = {"proj": Dense(5)}`): by key
+            # (`parts/proj/kernel`).
+            node = node.get(part)
         else:
             try:
                 node = getattr(node, part, None)

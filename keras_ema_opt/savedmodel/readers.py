@@ -215,6 +215,18 @@ def _model_node(graph, root):
         return root.get("model", 0)
     holders = sorted(name for name, node in root.items()
                      if name != "optimizer" and _has_layers(graph, node))
+    if not holders and "save_counter" in root:
+        # The root is a `tf.train.Checkpoint` (its own `save_counter`),
+        # not a model: a subclassed model under a name of the writer's
+        # choosing (`Checkpoint(step=..., optimizer=..., net=Net())`, the
+        # TensorFlow guide's layout) is the one child that is neither a
+        # variable nor an optimizer and holds variables; the root's own
+        # variables (`step`, `save_counter`) are not the model's.
+        holders = sorted(
+            name for name, node in root.items()
+            if name != "optimizer" and graph.children(node)
+            and not _is_optimizer(graph, node)
+            and _holds_variables(graph, node))
     if len(holders) == 1:
         return root[holders[0]]
     if holders:
@@ -223,6 +235,20 @@ def _model_node(graph, root):
             f"({holders}): expected one, under `model` or as the root.",
             path=graph.path, key=",".join(holders))
     return 0
+
+
+def _holds_variables(graph, node):
+    """Whether a variable lies anywhere under ``node``."""
+    stack, seen = [node], set()
+    while stack:
+        current = stack.pop()
+        if current in seen:
+            continue
+        seen.add(current)
+        if graph.attribute(current) is not None:
+            return True
+        stack.extend(graph.children(current).values())
+    return False
 
 
 def _natural(path):
