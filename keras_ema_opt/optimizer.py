@@ -140,6 +140,60 @@ def _scalar_value(value):
     return value
 
 
+# Arguments of Keras' base optimizer that default to None and are a
+# number where given.
+_OPTIONAL_NUMBERS = ("weight_decay", "clipnorm", "clipvalue",
+                     "global_clipnorm")
+
+
+def _is_number_like(value):
+    """A real number, or a 0-d numeric tensor or variable. Not a callable:
+    Keras 3's docstrings offer ``beta_1=lambda: 0.9``, but its steps
+    cast the value (``float() argument must be ... not 'function'``)."""
+    if _is_real_number(value):
+        return True
+    shape, dtype = getattr(value, "shape", None), getattr(value, "dtype", None)
+    if shape is None or dtype is None or len(tuple(shape)) != 0:
+        return False
+    try:
+        return keras.backend.is_float_dtype(dtype) or keras.backend.is_int_dtype(
+            dtype)
+    except (TypeError, ValueError):
+        return False
+
+
+# Checked where Keras 2 checked them: the rate (it also takes a schedule),
+# and the EMA's arguments, only where `use_ema` is set.
+_CHECKED_APART = ("learning_rate", "ema_momentum", "ema_overwrite_frequency",
+                  "loss_scale_factor")
+
+
+def _check_numbers(cls_name, arguments, defaults):
+    """A hyperparameter whose default is a number (``beta_1=0.9``,
+    ``epsilon=1e-7``, ``momentum=0.0``), or one of ``_OPTIONAL_NUMBERS``,
+    given a string or ``None`` (or a list): an
+    ``InvalidArgumentTypeError`` naming it, where Keras accepted it and
+    failed at the first step (``could not convert string to float``; on
+    PyTorch a string ``beta_1`` trained); ``_CHECKED_APART`` are not
+    checked here."""
+    for key, given in arguments.items():
+        default = defaults.get(key, inspect.Parameter.empty)
+        optional = key in _OPTIONAL_NUMBERS and default is None
+        if key in _CHECKED_APART or not (optional or (
+                _is_real_number(default))):
+            continue
+        if (optional and given is None) or _is_number_like(given):
+            continue
+        hint = ""
+        if key == "epsilon" and given is None:
+            hint = (" (Keras 2's OptimizerV2 read None as "
+                    "`keras.backend.epsilon()`, 1e-7: pass that)")
+        raise InvalidArgumentTypeError(
+            f"{cls_name}: `{key}` must be a number"
+            + (" or None" if optional else "")
+            + f"{hint}. Received: {key}={given!r}")
+
+
 def _check_loss_scale_factor(value):
     """Keras 3's ``loss_scale_factor``: None or a positive number (Keras
     divides every gradient by it; a bool there was a misplaced argument)."""
@@ -560,6 +614,7 @@ class Optimizer(backend.OptimizerHooks, keras.optimizers.Optimizer):
         _check_known(cls_name, arguments,
                      _accepted_arguments(signature, type(self), keras_init))
         defaults = _defaults(signature)
+        _check_numbers(cls_name, arguments, defaults)
         value = lambda k: arguments.get(k, defaults.get(k))  # noqa: E731
         decay, transformers, aggregator = _take_legacy_arguments(
             arguments, {k: value(k) for k in _CLIP_ARGS}

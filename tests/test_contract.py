@@ -11,6 +11,7 @@ from conftest import to_numpy
 
 import keras_ema_opt
 from keras_ema_opt.errors import InvalidArgumentError
+from keras_ema_opt.errors import InvalidArgumentTypeError
 from keras_ema_opt.errors import UnknownArgumentError
 from keras_ema_opt.errors import UnknownVariableError
 
@@ -66,6 +67,72 @@ def test_refused_arguments_are_typed_as_keras2_and_name_the_value(
     assert isinstance(ours.value, type(theirs.value)), received
     assert isinstance(ours.value, ValueError)  # Keras 3's, too
     assert str(ours.value).endswith(f"Received: {received}")
+
+
+def _numeric_hyperparameters():
+    """(class name, argument) of every Keras optimizer whose default is a
+    number: Keras' own take a string there, and fail at the first step."""
+    import inspect
+
+    found = []
+    skipped = ("learning_rate", "ema_momentum", "ema_overwrite_frequency",
+               "loss_scale_factor")
+    for name, cls in sorted(vars(keras.optimizers).items()):
+        if not (isinstance(cls, type) and issubclass(
+                cls, keras.optimizers.Optimizer)) or name in (
+                    "Optimizer", "LossScaleOptimizer"):
+            continue
+        for param in inspect.signature(cls.__init__).parameters.values():
+            default = param.default
+            if param.name in skipped or isinstance(default, bool) or not (
+                    isinstance(default, (int, float))):
+                continue
+            found.append((name, param.name))
+    return found
+
+
+def _half():
+    return 0.5
+
+
+@pytest.mark.parametrize("name,argument", _numeric_hyperparameters())
+@pytest.mark.parametrize("value", ["0.5", None, [0.5], _half])
+def test_a_number_given_as_anything_else_is_refused_when_made(
+        name, argument, value):
+    """`Adam(beta_1="0.9")`, `AdamW(weight_decay="x")`, `Adam(epsilon=
+    None)`: accepted, then at the first step a bare `TypeError` or
+    `ValueError` from inside the backend (`could not convert string to
+    float`), and on PyTorch a string `beta_1` trained. A callable too,
+    which Keras 3's docstrings offer and its steps cannot use."""
+    cls = keras_ema_opt.contract_class(getattr(keras.optimizers, name))
+    with pytest.raises(InvalidArgumentTypeError) as info:
+        cls(**{argument: value})
+    assert str(info.value).startswith(f"{name}: `{argument}` must be a "
+                                      "number")
+    assert str(info.value).endswith(f"Received: {argument}={value!r}")
+
+
+@pytest.mark.parametrize("argument", ["weight_decay", "clipnorm",
+                                      "clipvalue", "global_clipnorm"])
+def test_an_optional_number_given_as_a_string_is_refused(argument):
+    with pytest.raises(InvalidArgumentTypeError, match=re.escape(
+            f"Adam: `{argument}` must be a number or None. Received: "
+            f"{argument}='1'")):
+        keras_ema_opt.Adam(**{argument: "1"})
+
+
+@pytest.mark.parametrize("beta_1", [
+    np.float32(0.5), np.array(0.5), 0, keras.Variable(0.5, trainable=False),
+    keras.ops.convert_to_tensor(np.float32(0.5))], ids=[
+        "numpy-scalar", "0-d-array", "int", "variable", "tensor"])
+def test_numbers_in_every_form_keras_takes_are_accepted(beta_1):
+    # What Keras takes for a hyperparameter: a float, a 0-d tensor or a
+    # variable. Adam's first step is the learning rate
+    # whatever beta_1 is (the moment over its bias correction is g).
+    opt = keras_ema_opt.Adam(learning_rate=0.1, beta_1=beta_1)
+    var = _var([1.0])
+    _step(opt, [var])
+    np.testing.assert_allclose(to_numpy(var), [0.9], rtol=1e-5)
 
 
 def test_ema_arguments_are_only_checked_with_use_ema():

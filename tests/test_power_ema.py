@@ -686,6 +686,32 @@ def test_assign_by_path_checks_every_shape_first():
         rf"Shape mismatch for d1/bias \({head}d1/bias here\)")
 
 
+@pytest.mark.parametrize("weights", [[1], [("d1/bias", np.ones(2))],
+                                     {0: np.ones(2)}, None])
+def test_assign_by_path_takes_a_dict_of_paths(weights):
+    # A list was an `AttributeError: 'int' object has no attribute 'split'`
+    # from inside the path matching.
+    model = keras.Sequential([keras.Input((3,)),
+                              keras.layers.Dense(2, name="d1")])
+    with pytest.raises(InvalidArgumentError, match=re.escape(
+            "assign_by_path() takes the weights as a dict of {variable "
+            "path (str): array}, as synthesize() returns them. Received: "
+            f"{type(weights).__name__} ")):
+        keras_ema_opt.averaging.assign_by_path(model, weights)
+
+
+@pytest.mark.parametrize("folder", [3, ["a"], b"x"[0]])
+def test_snapshot_dir_must_be_a_path(folder, tmp_path):
+    # An int became the relative folder '3', without a word.
+    with pytest.raises(InvalidArgumentError, match=re.escape(
+            "`snapshot_dir` must be a folder path (str or os.PathLike) or "
+            f"None. Received: snapshot_dir={folder!r}")):
+        keras_ema_opt.PowerEMA(snapshot_every=10, snapshot_dir=folder)
+    averaging = keras_ema_opt.PowerEMA(snapshot_every=10,
+                                       snapshot_dir=tmp_path)
+    assert averaging.snapshot_dir == str(tmp_path)
+
+
 def test_synthesis_of_a_snapshot_before_the_first_update(tmp_path):
     from keras_ema_opt.averaging import posthoc
 

@@ -14,7 +14,7 @@ JAX's stateless steps carry them):
   ``|s| <= 1``, holds the zero-started one and reads ``a / c``).
 """
 
-import collections
+import collections.abc
 import contextlib
 import os
 import warnings
@@ -651,6 +651,11 @@ def model_variables(target):
     return list(target)
 
 
+def _short(value, most=120):
+    text = repr(value)
+    return text if len(text) <= most else text[:most] + "..."
+
+
 def assign_by_path(model, weights):
     """Assign ``{variable path: array}`` to the variables of ``model``.
 
@@ -688,6 +693,12 @@ def assign_by_path(model, weights):
     """
     from keras_ema_opt.averaging import posthoc
 
+    if not isinstance(weights, collections.abc.Mapping) or not all(
+            isinstance(key, str) for key in weights):
+        raise InvalidArgumentError(
+            "assign_by_path() takes the weights as a dict of {variable "
+            "path (str): array}, as synthesize() returns them. Received: "
+            f"{type(weights).__name__} {_short(weights)}")
     variables = model_variables(model)
     by_path = {v.path: v for v in variables}
     paths = [v.path for v in variables]

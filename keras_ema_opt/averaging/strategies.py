@@ -4,6 +4,7 @@ decay rule. The state and the update live in ``engine.py``."""
 import collections.abc
 import inspect
 import numbers
+import os
 
 import keras
 import numpy as np
@@ -460,8 +461,15 @@ class PowerEMA(Averaging):
                     f"Received: snapshot_every={snapshot_every}, "
                     "snapshot_dir=None"
                 )
+        if snapshot_dir is not None and not isinstance(
+                snapshot_dir, (str, os.PathLike)):
+            raise InvalidArgumentError(
+                "`snapshot_dir` must be a folder path (str or os.PathLike) "
+                f"or None. Received: snapshot_dir={snapshot_dir!r} of type "
+                f"{type(snapshot_dir).__name__}")
         self.snapshot_every = snapshot_every
-        self.snapshot_dir = None if snapshot_dir is None else str(snapshot_dir)
+        self.snapshot_dir = None if snapshot_dir is None else os.fspath(
+            snapshot_dir)
 
     def weights(self, n, t):
         del n
