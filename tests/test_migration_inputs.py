@@ -301,6 +301,18 @@ def test_augmentation_layers_migrate(tmp_path, fmt):
         assert any("random generator state" in w for w in record.warnings)
 
 
+def _trained_two_steps(net, width, seed):
+    """``net`` compiled with tf_keras' Adam and trained two steps; four
+    batches of ``width`` features, the last two for the resumed steps."""
+    net.compile(optimizer=k2.optimizers.Adam(0.01), loss="mse")
+    rng = np.random.RandomState(seed)
+    batches = [(rng.randn(8, width).astype("float32"),
+                rng.randn(8, width).astype("float32")) for _ in range(4)]
+    for x, y in batches[:2]:
+        net.train_on_batch(x, y)
+    return batches
+
+
 @pytest.mark.parametrize("kind", ["sequential", "functional"])
 def test_checkpoint_goes_where_its_object_paths_lead(tmp_path, kind):
     """A checkpoint holds no config: the model is the user's, and the
@@ -324,12 +336,7 @@ def test_checkpoint_goes_where_its_object_paths_lead(tmp_path, kind):
     k2.backend.clear_session()
     k2.layers.Dense(1)  # the model's layers are dense_1 to dense_3
     net = build(k2.layers, k2)
-    net.compile(optimizer=k2.optimizers.Adam(0.01), loss="mse")
-    rng = np.random.RandomState(3)
-    batches = [(rng.randn(8, 6).astype("float32"),
-                rng.randn(8, 6).astype("float32")) for _ in range(4)]
-    for x, y in batches[:2]:
-        net.train_on_batch(x, y)
+    batches = _trained_two_steps(net, 6, seed=3)
     path = str(tmp_path / "ckpt")
     tf.train.Checkpoint(model=net, optimizer=net.optimizer).write(path)
 
@@ -338,15 +345,23 @@ def test_checkpoint_goes_where_its_object_paths_lead(tmp_path, kind):
         model.compile(optimizer=keras_ema_opt.Adam(0.01), loss="mse")
         return model
 
+    _loaded_and_resumed_beside(path, k3_model, net, batches[2:])
+
+
+def _loaded_and_resumed_beside(path, k3_model, net, batches):
+    """``path`` loaded into ``k3_model()`` with every weight equal to
+    ``net``'s, then ``batches`` trained by both, within float32
+    round-off."""
     model = savedmodel.load_legacy(path, model=k3_model)
     for got, want in zip(model.weights, net.weights):
         np.testing.assert_array_equal(to_numpy(got), want.numpy())
-    for x, y in batches[2:]:
+    for x, y in batches:
         net.train_on_batch(x, y)
         model.train_on_batch(x, y)
     for got, want in zip(model.weights, net.weights):
         np.testing.assert_allclose(to_numpy(got), want.numpy(), rtol=1e-5,
                                    atol=1e-6)
+    return model
 
 
 class _K3Blocks(keras.Model):
@@ -358,6 +373,20 @@ class _K3Blocks(keras.Model):
         for block in self.blocks:
             x = block(x)
         return x
+
+
+def _restored_after_another_layer(tmp_path, net, k3_class):
+    """Keras 2 subclassed ``net`` written as a checkpoint, restored into
+    a ``k3_class`` model built after another layer (its layer names
+    numbered after it, unlike the checkpoint's)."""
+    net(np.ones((1, 4), "float32"))
+    path = str(tmp_path / "ckpt")
+    tf.train.Checkpoint(model=net).write(path)
+    keras.layers.Dense(2)
+    model = k3_class()
+    model(np.ones((1, 4), "float32"))
+    savedmodel.restore_checkpoint(model, path)
+    return model
 
 
 def test_checkpoint_of_layers_held_in_a_list_attribute(tmp_path):
@@ -376,13 +405,7 @@ def test_checkpoint_of_layers_held_in_a_list_attribute(tmp_path):
             return x
 
     net = K2Blocks()
-    net(np.ones((1, 4), "float32"))
-    path = str(tmp_path / "ckpt")
-    tf.train.Checkpoint(model=net).write(path)
-    keras.layers.Dense(2)  # the Keras 3 blocks are dense_1 and dense_2
-    model = _K3Blocks()
-    model(np.ones((1, 4), "float32"))
-    savedmodel.restore_checkpoint(model, path)
+    model = _restored_after_another_layer(tmp_path, net, _K3Blocks)
     for ours, theirs in zip(model.blocks, net.blocks):
         for got, want in zip(ours.weights, theirs.weights):
             np.testing.assert_array_equal(to_numpy(got), want.numpy())
@@ -414,13 +437,7 @@ def test_checkpoint_of_layers_held_in_a_dict_attribute(tmp_path):
 
     k2.backend.clear_session()
     net = K2Parts()  # its layers are dense and dense_1
-    net(np.ones((1, 4), "float32"))
-    path = str(tmp_path / "ckpt")
-    tf.train.Checkpoint(model=net).write(path)
-    keras.layers.Dense(2)  # the Keras 3 layers are numbered after it
-    model = _K3Parts()
-    model(np.ones((1, 4), "float32"))
-    savedmodel.restore_checkpoint(model, path)
+    model = _restored_after_another_layer(tmp_path, net, _K3Parts)
     for key in ("proj", "head"):
         for got, want in zip(model.parts[key].weights,
                              net.parts[key].weights):
@@ -518,12 +535,7 @@ def test_h5_into_a_given_model_goes_by_layer_order(tmp_path, fmt):
 
     k2.backend.clear_session()
     net = build(k2.layers, k2)  # dense, batch_normalization, dense_1, ...
-    net.compile(optimizer=k2.optimizers.Adam(0.01), loss="mse")
-    rng = np.random.RandomState(5)
-    batches = [(rng.randn(8, 4).astype("float32"),
-                rng.randn(8, 4).astype("float32")) for _ in range(4)]
-    for x, y in batches[:2]:
-        net.train_on_batch(x, y)
+    batches = _trained_two_steps(net, 4, seed=5)
     path = str(tmp_path / "m.h5")
     if fmt == "save_weights":
         net.save_weights(path)
@@ -537,18 +549,11 @@ def test_h5_into_a_given_model_goes_by_layer_order(tmp_path, fmt):
         model.compile(optimizer=keras_ema_opt.Adam(0.01), loss="mse")
         return model
 
-    model = savedmodel.load_legacy(path, model=k3_model)
-    for got, want in zip(model.weights, net.weights):
-        np.testing.assert_array_equal(to_numpy(got), want.numpy())
-    if fmt == "save_weights":
-        return  # no optimizer state to resume
-    assert int(to_numpy(model.optimizer.iterations)) == 2
-    for x, y in batches[2:]:
-        net.train_on_batch(x, y)
-        model.train_on_batch(x, y)
-    for got, want in zip(model.weights, net.weights):
-        np.testing.assert_allclose(to_numpy(got), want.numpy(), rtol=1e-5,
-                                   atol=1e-6)
+    # A weights-only file has no optimizer state to resume.
+    model = _loaded_and_resumed_beside(
+        path, k3_model, net, [] if fmt == "save_weights" else batches[2:])
+    assert int(to_numpy(model.optimizer.iterations)) == (
+        0 if fmt == "save_weights" else 4)
 
 
 def test_h5_layer_order_gives_way_to_names_that_disagree(tmp_path):
