@@ -587,8 +587,9 @@ def test_adapted_vocabulary_is_named_not_lost(tmp_path):
     """An adapted `TextVectorization` keeps its vocabulary in a lookup
     table of the SavedModel's graph: the layer built from the config had
     none (every token out of vocabulary), without a word. Refused, naming
-    the layer; with the model given, holding the vocabulary, it
-    migrates."""
+    the layer; with the model given, holding the vocabulary, it migrates.
+    From a tf_keras `.keras` file, whose assets hold it, it migrates (it
+    was lost there too)."""
     corpus = np.array(["the cat sat", "the dog ran far", "a cat ran"])
     vectorize = k2.layers.TextVectorization(
         max_tokens=20, output_sequence_length=4, name="tv")
@@ -605,6 +606,21 @@ def test_adapted_vocabulary_is_named_not_lost(tmp_path):
     net.train_on_batch(x_text, y)
     path = str(tmp_path / "savedmodel")
     net.save(path, save_format="tf")
+    net.save(str(tmp_path / "model.keras"))
+
+    # A tf_keras `.keras` file keeps the vocabulary in its assets
+    # (`assets/layers/text_vectorization/vocabulary.txt`): migrated.
+    out = tmp_path / "from-zip.keras"
+    with pytest.warns(UserWarning, match="optimizer state is not migrated"):
+        savedmodel.migrate(str(tmp_path / "model.keras"), str(out))
+    written = keras.saving.load_model(str(out))
+    assert written.get_layer("tv").get_vocabulary() == vocabulary
+    np.testing.assert_array_equal(
+        to_numpy(written.get_layer("tv")(x_text)), vectorize(x_text).numpy())
+    # Only the config: the caller is told, and has the layer to adapt.
+    with pytest.warns(UserWarning, match=r"layer 'tv' \(TextVectorization"
+                      r"\) was adapted"):
+        savedmodel.model_from_config(net.to_json())
 
     with pytest.raises(LegacyConfigError,
                        match=r"layer 'tv' \(TextVectorization\) was "
@@ -614,6 +630,11 @@ def test_adapted_vocabulary_is_named_not_lost(tmp_path):
     out = tmp_path / "new.keras"
     assert main(["migrate", path, str(out), "--quiet"]) == 1
     assert not out.exists()
+    # A model given without it: the same.
+    with pytest.raises(LegacyConfigError, match=r"the model's layer has 2"):
+        savedmodel.load_legacy(path, model=keras.saving.load_model(
+            str(tmp_path / "from-zip.keras")).__class__.from_config(
+                written.get_config()))
 
     def k3_model():
         inputs = keras.Input((1,), dtype="string")

@@ -25,6 +25,7 @@ from keras_ema_opt.savedmodel import load_legacy
 from keras_ema_opt.savedmodel import model_from_config
 from conftest import ROOT
 from conftest import made_by_script
+from conftest import run_python
 from conftest import to_numpy
 
 pytest.importorskip("tf_keras")
@@ -170,3 +171,44 @@ def test_damaged_nested_node_reference_is_named(layer_artifacts):
     config = json.loads(json.dumps(config).replace('["sub", 1, 0', '["sub", 0, 0'))
     with pytest.raises(LegacyConfigError, match="nested model 'sub'"):
         upgrade_model_config(config)
+
+
+TEXT_MODEL = r"""
+import json, os, sys
+os.environ["TF_USE_LEGACY_KERAS"] = "1"
+import numpy as np
+import tf_keras as k2
+
+corpus = np.array(["the cat sat", "the dog ran far", "a cat ran"])
+tv = k2.layers.TextVectorization(max_tokens=20, output_sequence_length=4,
+                                 name="tv")
+tv.adapt(corpus)
+inputs = k2.Input((1,), dtype="string")
+x = k2.layers.Embedding(20, 3, name="emb")(tv(inputs))
+net = k2.Model(inputs, k2.layers.Dense(1, name="out")(
+    k2.layers.GlobalAveragePooling1D()(x)))
+net.compile(optimizer="adam", loss="mse")
+net.save(os.path.join(sys.argv[1], "model.keras"))
+print(json.dumps({"vocabulary": tv.get_vocabulary(),
+                  "ids": tv(np.array([["the cat sat"]])).numpy().tolist()}))
+"""
+
+
+def test_adapted_vocabulary_of_a_tf_keras_keras_file_migrates(tmp_path):
+    """A tf_keras `.keras` file keeps an adapted `TextVectorization`'s
+    vocabulary in its assets: the layer built from the config had none
+    (every token out of vocabulary), without a word. Its assets now load
+    where Keras 3's loader puts them, and the written file's check
+    compares the vocabularies and, where the backend feeds a model
+    strings (TensorFlow), runs the model on an empty string."""
+    from keras_ema_opt.savedmodel import migrate
+
+    theirs = json.loads(run_python("-c", TEXT_MODEL, str(tmp_path))
+                        .stdout.strip().splitlines()[-1])
+    out = str(tmp_path / "new.keras")
+    with pytest.warns(UserWarning, match="optimizer state is not migrated"):
+        migrate(str(tmp_path / "model.keras"), out)
+    layer = keras.saving.load_model(out).get_layer("tv")
+    assert [str(t) for t in layer.get_vocabulary()] == theirs["vocabulary"]
+    np.testing.assert_array_equal(
+        to_numpy(layer(np.array([["the cat sat"]]))), theirs["ids"])

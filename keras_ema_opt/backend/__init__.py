@@ -86,6 +86,9 @@ here. Each backend module provides the same set:
   gradient accumulation under a ``tf.distribute`` strategy).
 - ``host_array(value)``: a numpy copy of a value, whole (JAX: an array
   sharded over other processes' devices is gathered, a collective).
+- ``string_probe(shape)``: a tensor of empty strings of ``shape`` that a
+  model with a string input takes, or None where the backend feeds a
+  model no strings (JAX, PyTorch).
 - ``forward_spans_processes()``: whether a model's forward pass needs
   every process of the run (JAX: under a distribution over several
   processes, whose variables are global arrays).
@@ -166,6 +169,7 @@ fit_failed = _impl.fit_failed
 sum_over_processes = _impl.sum_over_processes
 check_build = _impl.check_build
 host_array = _impl.host_array
+string_probe = _impl.string_probe
 forward_spans_processes = _impl.forward_spans_processes
 
 __all__ = [

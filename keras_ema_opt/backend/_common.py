@@ -159,6 +159,13 @@ def batch_size(inputs):
     return int(keras.tree.flatten(inputs)[0].shape[0])
 
 
+def string_probe(shape):
+    """No string tensor: Keras' JAX and PyTorch backends feed a model no
+    strings (``predict`` converts its inputs to their tensors)."""
+    del shape
+    return None
+
+
 def host_array(value):
     """A numpy copy of ``value``, whole."""
     import keras

@@ -21,6 +21,7 @@ optimizer_variable = _common.optimizer_variable
 scale_gradient = _common.scale_gradient
 assign_copy = _common.assign_copy
 current_value = _common.current_value
+string_probe = _common.string_probe
 prepare_gradients = _common.prepare_gradients
 step_gradients = _common.step_gradients
 mark_step_made = _common.mark_step_made

@@ -31,6 +31,12 @@ stateless_step = _common.stateless_step
 _tf_variable = _tf_cpu.tf_variable
 
 
+def string_probe(shape):
+    """Empty strings of ``shape``, as a model with a string input takes
+    them (a numpy array of strings is no dtype Keras knows)."""
+    return tf.fill(shape, "")
+
+
 def lerp_averages(pairs, weight, gated=False):
     """``a <- a - weight (a - x)`` as one fused kernel per average
     (``ResourceApplyGradientDescent``), in place of the engine's five graph

@@ -14,6 +14,7 @@ scale_gradient = _common.scale_gradient
 stateless_step = _common.stateless_step
 check_build = _common.check_build
 host_array = _common.host_array
+string_probe = _common.string_probe
 forward_spans_processes = _common.forward_spans_processes
 build_scope = _common.build_scope
 state_variable_role = _common.state_variable_role

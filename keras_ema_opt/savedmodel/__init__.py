@@ -225,6 +225,7 @@ def _load_model(path, custom_objects, safe_mode, model):
         return model, record, {}, []
     given = model is not None
     model = _given_model(record, custom_objects, safe_mode, model)
+    convert.check_vocabularies(record, model)
     mapping = convert.assign_weights(record, model, given=given)
     optimizer = getattr(model, "optimizer", None)
     placed = []
@@ -311,6 +312,8 @@ def _load_keras_zip(record, custom_objects, safe_mode, model):
 
     model = _given_model(record, custom_objects, safe_mode, model)
     convert.assign_layout_weights(record, model)
+    convert.load_zip_assets(record, model)
+    convert.check_vocabularies(record, model)
     for message in record.warnings:
         warnings.warn(message, stacklevel=4)
     if getattr(model, "compiled", False) and model.optimizer is not None:
@@ -530,20 +533,46 @@ def verify_same(expected, actual, progress=None):
                 "file.")
         if update is not None:
             update(done, len(pairs))
+    _verify_vocabularies(expected, actual)
     inputs = _probe_inputs(actual)
     if inputs is not None:
         actual.predict(inputs if len(inputs) > 1 else inputs[0], verbose=0)
 
 
+def _verify_vocabularies(expected, actual):
+    """The vocabularies of lookup layers (kept as assets, not variables)
+    are the same after writing and reloading."""
+    def vocabularies(model):
+        return [(layer.name, list(layer.get_vocabulary()))
+                for layer in model._flatten_layers(include_self=False)
+                if callable(getattr(layer, "get_vocabulary", None))]
+
+    for (name, want), (_, got) in zip(vocabularies(expected),
+                                      vocabularies(actual)):
+        if [str(t) for t in want] != [str(t) for t in got]:
+            raise LegacyStateError(
+                f"The vocabulary of layer {name!r} differs after writing "
+                f"and reloading the .keras file ({len(want)} entries "
+                f"before, {len(got)} after).")
+
+
 def _probe_inputs(model):
-    """Zeros for one forward pass of ``model``: of its inputs' shapes, or,
-    for a subclassed model (which has no ``inputs``), of the shape it was
-    built on (``get_build_config``); None where neither is known (the
-    tensors were compared already)."""
+    """Zeros for one forward pass of ``model``: of its inputs' shapes (empty
+    strings for a string input), or, for a subclassed model (which has no
+    ``inputs``), of the shape it was built on (``get_build_config``); None
+    where neither is known, or where a string input meets a backend that
+    cannot take one (the tensors were compared already)."""
+    from keras_ema_opt import backend
+
     tensors = getattr(model, "inputs", None)
     if tensors:
-        return [np.zeros([1 if d is None else d for d in t.shape],
-                         dtype=_dtype(t)) for t in tensors]
+        probes = [
+            backend.string_probe([1 if d is None else d for d in t.shape])
+            if _dtype(t) == "string" else
+            np.zeros([1 if d is None else d for d in t.shape],
+                     dtype=_dtype(t)) for t in tensors]
+        # None: a string input the backend cannot feed a model.
+        return None if any(p is None for p in probes) else probes
     build = getattr(model, "get_build_config", lambda: None)()
     shape = (build or {}).get("input_shape")
     if not isinstance(shape, (list, tuple)) or not all(
@@ -594,6 +623,8 @@ def _verify_loss(src, dst, migrated, reloaded):
 
 def _dtype(tensor):
     dtype = str(getattr(tensor, "dtype", "float32"))
+    if "string" in dtype:
+        return "string"
     return "int32" if "int" in dtype else "float32"
 
 

@@ -75,7 +75,8 @@ def build_model(record, custom_objects=None, safe_mode=True):
             "subclassed model, which your code builds, through `model=` / "
             "`--model module:function`."
         ) from e
-    _check_vocabularies(record, model)
+    if record.format == "config":
+        check_vocabularies(record, model)
     return model
 
 
@@ -100,13 +101,15 @@ def _adapted_sizes(config, out=None):
     return out
 
 
-def _check_vocabularies(record, model):
+def check_vocabularies(record, model):
     """An adapted ``TextVectorization`` / ``StringLookup`` /
     ``IntegerLookup`` keeps its vocabulary in a lookup table of the
-    SavedModel's graph, not in a variable or the config: the layer built
-    from the config would map every token to the out-of-vocabulary index,
-    without a word. Refused, naming the layer (a warning where only the
-    config was given, ``model_from_config``)."""
+    SavedModel's graph, not in a variable or the config (a tf_keras
+    ``.keras`` file keeps it in its assets, ``load_zip_assets``): the
+    layer built from the config would map every token to the
+    out-of-vocabulary index, without a word. Where the model's layer
+    holds fewer entries than the file's had, refused, naming the layer (a
+    warning where only the config was given, ``model_from_config``)."""
     sizes = _adapted_sizes(record.model_config)
     if not sizes:
         return
@@ -119,7 +122,7 @@ def _check_vocabularies(record, model):
             f"{record.path}: layer {layer.name!r} ({type(layer).__name__}) "
             f"was adapted: its vocabulary of {wanted} entries was kept in "
             "a lookup table of the Keras 2 graph, which is not migrated "
-            f"(the layer built from the config has {int(size())}).")
+            f"(the model's layer has {int(size())}).")
         if record.format == "config":
             # `model_from_config`: the caller has the model to adapt.
             warnings.warn(message + " Give it its vocabulary "
@@ -129,6 +132,33 @@ def _check_vocabularies(record, model):
             message + " Build the model with the layer's vocabulary "
             "(`vocabulary=` or `adapt`) and pass it (`model=` / `--model "
             "module:function`).")
+
+
+def load_zip_assets(record, model):
+    """The assets of a tf_keras ``.keras`` file (an adapted lookup layer's
+    ``vocabulary.txt``) into ``model``, where Keras 3's own loader puts
+    them: both name a layer's place by the same layout
+    (``assets/layers/text_vectorization/``)."""
+    import zipfile
+
+    from keras.src.saving import saving_lib
+
+    with zipfile.ZipFile(record.path) as archive:
+        if not any(name.startswith("assets/")
+                   for name in archive.namelist()):
+            return
+        store = saving_lib.DiskIOStore("assets", archive=archive, mode="r")
+        try:
+            saving_lib._load_state(model, weights_store=None,
+                                   assets_store=store, inner_path="",
+                                   visited_saveables=set())
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise LegacyStateError(
+                f"{record.path}: its assets (the vocabularies of adapted "
+                "lookup layers) do not load into the Keras 3 model "
+                f"({type(e).__name__}: {_first_line(e)}).") from e
+        finally:
+            store.close()
 
 
 def _first_line(error):
