@@ -271,10 +271,10 @@ def _by_layer_order(record, model):
     built after another layer names them apart from the file's; the
     order does not change. Taken only where the whole file agrees with
     the model: as many layers, and each weight with the same shape and the
-    same last name (``kernel``, ``moving_mean``; or the name Keras 3 gave
-    it instead), and the layer names differ (the same names place each
-    layer, whatever the order); ``{}`` otherwise, and the weights go by
-    name."""
+    same names below its layer (``kernel``, ``query/kernel``; or the name
+    Keras 3 gave it instead: ``_same_below_layer``), and the layer names
+    differ (the same names place each layer, whatever the order); ``{}``
+    otherwise, and the weights go by name."""
     from keras_ema_opt.compat.model_configs import RENAMED_WEIGHTS
 
     renamed = {(old, new) for table in RENAMED_WEIGHTS.values()
@@ -292,13 +292,28 @@ def _by_layer_order(record, model):
         if len(keys) != len(weights):
             return {}
         for key, var in zip(keys, weights):
-            old = record.names.get(key, key).split("/")[-1]
-            new = var.path.split("/")[-1]
             if tuple(np.shape(record.weights[key])) != tuple(var.shape) or (
-                    old != new and (old, new) not in renamed):
+                    not _same_below_layer(record.names.get(key, key),
+                                          var.path, renamed)):
                 return {}
             mapping[key] = var
     return mapping
+
+
+def _same_below_layer(old, new, renamed):
+    """Whether a Keras 2 weight name and a Keras 3 path agree below their
+    layer, as far as both go (``mha/query/kernel`` and
+    ``mha_1/query/kernel``; ``lstm/lstm_cell/kernel`` and
+    ``lstm_2/lstm_cell_2/kernel``, numbers set aside), the last part
+    possibly renamed by Keras 3 (``depthwise_kernel`` -> ``kernel``)."""
+    old, new = old.split("/")[1:], new.split("/")[1:]
+    if not old or not new:
+        return False
+    if old[-1] != new[-1] and (old[-1], new[-1]) not in renamed:
+        return False
+    depth = min(len(old), len(new))
+    return [_unnumbered(p) for p in old[-depth:-1]] == [
+        _unnumbered(p) for p in new[-depth:-1]]
 
 
 def assign_layout_weights(record, model):
