@@ -168,21 +168,34 @@ _CHECKED_APART = ("learning_rate", "ema_momentum", "ema_overwrite_frequency",
                   "loss_scale_factor")
 
 
-def _check_numbers(cls_name, arguments, defaults):
-    """A hyperparameter whose default is a number (``beta_1=0.9``,
-    ``epsilon=1e-7``, ``momentum=0.0``), or one of ``_OPTIONAL_NUMBERS``,
-    given a string or ``None`` (or a list): an
-    ``InvalidArgumentTypeError`` naming it, where Keras accepted it and
-    failed at the first step (``could not convert string to float``; on
-    PyTorch a string ``beta_1`` trained); ``_CHECKED_APART`` are not
-    checked here."""
+# Arguments of Keras' own optimizers that default to a number and take
+# None too (Muon: "Set to `None` to disable"; no decay).
+_NONE_TAKEN = {("Muon", "rms_rate"), ("Muon", "weight_decay"),
+               ("Muon", "adam_weight_decay")}
+
+
+def _check_numbers(cls_name, arguments, defaults, keras_init):
+    """A hyperparameter of Keras' own optimizer classes whose default is a
+    number (``beta_1=0.9``, ``epsilon=1e-7``, ``momentum=0.0``), or one of
+    ``_OPTIONAL_NUMBERS`` (of any class), given a string, a list, a
+    callable or ``None`` (save where ``_NONE_TAKEN`` or its default says
+    it takes None): an ``InvalidArgumentTypeError`` naming it, where Keras
+    accepted it and failed at the first step (``could not convert string
+    to float``; on PyTorch a string ``beta_1`` trained). A user's class's
+    own arguments are its own to check; ``_CHECKED_APART`` are not checked
+    here."""
+    owner = getattr(keras_init, "__qualname__", "").split(".")[0]
+    own = str(getattr(keras_init, "__module__", "")).split(".")[0] == (
+        "keras")
     for key, given in arguments.items():
         default = defaults.get(key, inspect.Parameter.empty)
         optional = key in _OPTIONAL_NUMBERS and default is None
         if key in _CHECKED_APART or not (optional or (
-                _is_real_number(default))):
+                own and _is_real_number(default))):
             continue
-        if (optional and given is None) or _is_number_like(given):
+        if given is None and (optional or (owner, key) in _NONE_TAKEN):
+            continue
+        if _is_number_like(given):
             continue
         hint = ""
         if key == "epsilon" and given is None:
@@ -614,7 +627,7 @@ class Optimizer(backend.OptimizerHooks, keras.optimizers.Optimizer):
         _check_known(cls_name, arguments,
                      _accepted_arguments(signature, type(self), keras_init))
         defaults = _defaults(signature)
-        _check_numbers(cls_name, arguments, defaults)
+        _check_numbers(cls_name, arguments, defaults, keras_init)
         value = lambda k: arguments.get(k, defaults.get(k))  # noqa: E731
         decay, transformers, aggregator = _take_legacy_arguments(
             arguments, {k: value(k) for k in _CLIP_ARGS}

@@ -499,6 +499,21 @@ def test_custom_loop_checkpoint_of_a_subclassed_model_under_its_own_name(
 
     model = savedmodel.load_legacy(str(tmp_path / "run"), model=build)
     assert int(to_numpy(model.optimizer.iterations)) == 3
+    # Beside another object holding variables (a metric), written with
+    # or without a `save_counter`: the model is the child under which the
+    # model given finds every variable; the others are named.
+    loss = k2.metrics.Mean()
+    loss.update_state(2.0)
+    both = tf.train.Checkpoint(step=tf.Variable(0), optimizer=opt, net=net,
+                               train_loss=loss)
+    for path in (both.save(str(tmp_path / "saved")),
+                 both.write(str(tmp_path / "written"))):
+        with pytest.warns(UserWarning, match=r"the model is the "
+                          r"checkpoint's 'net'; its other objects \((?:"
+                          r"'save_counter', )?'step', 'train_loss'\) are "
+                          r"not migrated"):
+            again = savedmodel.load_legacy(path, model=build)
+        assert int(to_numpy(again.optimizer.iterations)) == 3
     for x, y in batches[3:]:
         step(x, y)
         model.train_on_batch(x, y)
@@ -554,6 +569,47 @@ def test_h5_into_a_given_model_goes_by_layer_order(tmp_path, fmt):
         path, k3_model, net, [] if fmt == "save_weights" else batches[2:])
     assert int(to_numpy(model.optimizer.iterations)) == (
         0 if fmt == "save_weights" else 4)
+
+
+@pytest.mark.parametrize("names", ["named", "made_up"])
+def test_h5_by_layer_order_keeps_a_layer_frozen_in_the_file_in_place(
+        tmp_path, names):
+    """Keras 2 wrote a nested model's trainable weights first: with its
+    first Dense frozen, `d2/kernel, d2/bias, d1/kernel, d1/bias`. Into a
+    model where it is not frozen (fine-tuning), placed by position the two
+    same-shaped layers swapped their weights, without a word. Within a
+    layer the weights go by name, and those alike (made-up names,
+    `dense_4`) in the order their layers were made."""
+    def build(layers, module, frozen):
+        kwargs = (lambda n: {"name": n}) if names == "named" else (
+            lambda n: {})
+        inner = module.Sequential([
+            layers.Input((4,)), layers.Dense(4, **kwargs("d1")),
+            layers.Dense(4, **kwargs("d2"))], name="base")
+        inner.layers[0].trainable = not frozen
+        inputs = layers.Input((4,))
+        return module.Model(inputs, layers.Dense(1)(inner(inputs)))
+
+    k2.backend.clear_session()
+    net = build(k2.layers, k2, frozen=True)
+    net.compile(optimizer=k2.optimizers.Adam(0.01), loss="mse")
+    _trained_two_steps(net, 4, seed=7)
+    path = str(tmp_path / "m.h5")
+    net.save_weights(path)
+
+    def k3_model():
+        keras.layers.Dense(1)  # made-up names numbered apart
+        return build(keras.layers, keras, frozen=False)
+
+    model = savedmodel.load_legacy(path, model=k3_model)
+    theirs = net.get_layer("base").layers
+    ours = model.get_layer("base").layers
+    for got_layer, want_layer in zip(ours, theirs):
+        for got, want in zip(got_layer.weights, want_layer.weights):
+            np.testing.assert_array_equal(to_numpy(got), want.numpy())
+    x = np.random.RandomState(1).randn(3, 4).astype("float32")
+    np.testing.assert_allclose(to_numpy(model(x)), net(x).numpy(),
+                               rtol=1e-5, atol=1e-6)
 
 
 def test_h5_layer_order_gives_way_to_names_that_disagree(tmp_path):

@@ -215,17 +215,25 @@ def assign_weights(record, model, given=False):
     if given and record.format == "h5":
         mapping.update(_by_layer_order(record, model))
         used.update(id(var) for var in mapping.values())
+    weights = record.weights
     if given and record.format in ("savedmodel", "checkpoint"):
+        prefix = ""
+        if record.format == "checkpoint":
+            prefix = _model_prefix(record, model)
+            weights = {k: v for k, v in weights.items()
+                       if k.startswith(prefix)}
+            if prefix:
+                _warn_not_the_model(record, prefix)
         known = {id(v) for v in targets}
-        for key, value in record.weights.items():
-            var = _at_object_path(model, key)
+        for key, value in weights.items():
+            var = _at_object_path(model, key[len(prefix):])
             if var is not None and id(var) in known and (
                     id(var) not in used) and (
                     tuple(var.shape) == tuple(np.shape(value))):
                 used.add(id(var))
                 mapping[key] = var
     for number in range(4):
-        for key, value in record.weights.items():
+        for key, value in weights.items():
             if key in mapping:
                 continue
             var = _match(names[key], np.shape(value), targets, used,
@@ -233,7 +241,7 @@ def assign_weights(record, model, given=False):
             if var is not None:
                 used.add(id(var))
                 mapping[key] = var
-    for key, value in record.weights.items():
+    for key, value in weights.items():
         if key in mapping:
             continue
         name = record.names.get(key, key)
@@ -258,26 +266,70 @@ def assign_weights(record, model, given=False):
     return mapping
 
 
+def _model_prefix(record, model):
+    """``"net/"`` where a checkpoint's root is a ``tf.train.Checkpoint``
+    holding the model under a name of its writer's choosing beside other
+    objects (``Checkpoint(step=tf.Variable(0), net=Net(), train_loss=
+    Mean()).write(...)``, which keeps no ``save_counter`` to tell the root
+    from a model, and a subclassed model no ``layer-N`` children): the one
+    child of the root under which every variable of the given model is
+    found by its object path. ``""`` otherwise (the root is the model)."""
+    targets = {id(v): v for v in model.weights}
+
+    def placed(prefix):
+        found = set()
+        for key, value in record.weights.items():
+            if not key.startswith(prefix):
+                continue
+            var = _at_object_path(model, key[len(prefix):])
+            if var is not None and id(var) in targets and tuple(
+                    var.shape) == tuple(np.shape(value)):
+                found.add(id(var))
+        return len(found) == len(targets)
+
+    if not targets or placed(""):
+        return ""
+    heads = sorted({key.split("/")[0] for key in record.weights
+                    if "/" in key})
+    found = [head for head in heads if placed(head + "/")]
+    return found[0] + "/" if len(found) == 1 else ""
+
+
+def _warn_not_the_model(record, prefix):
+    others = sorted({key.split("/")[0] for key in record.weights
+                     if not key.startswith(prefix)})
+    if others:
+        warnings.warn(
+            f"{record.path}: the model is the checkpoint's "
+            f"{prefix.rstrip('/')!r}; its other objects "
+            f"({', '.join(repr(o) for o in others)}) are not migrated.",
+            stacklevel=4)
+
+
 def _legacy_weights(layer):
     return list(layer.trainable_weights) + list(layer.non_trainable_weights)
 
 
 def _by_layer_order(record, model):
     """``{key: variable}`` of an ``.h5`` record placed as Keras' own
-    ``load_weights`` places an ``.h5`` file: the i-th of the file's layers
-    with weights into the i-th of the model's, each layer's weights in
-    order (trainable, then non-trainable). Keras 2 made up names such as
-    ``dense_1`` by counting the layers its process had made, so a model
-    built after another layer names them apart from the file's; the
-    order does not change. Taken only where the whole file agrees with
-    the model: as many layers, and each weight with the same shape and the
-    same names below its layer (``kernel``, ``query/kernel``; or the name
-    Keras 3 gave it instead: ``_same_below_layer``), and the layer names
-    differ (the same names place each layer, whatever the order); ``{}``
-    otherwise, and the weights go by name."""
+    ``load_weights`` places an ``.h5`` file, layer by layer: the i-th of
+    the file's layers with weights into the i-th of the model's. Keras 2
+    made up names such as ``dense_1`` by counting the layers its process
+    had made, so a model built after another layer names them apart from
+    the file's; the order does not change. Within a layer, each weight
+    goes to the variable of its shape whose path ends with its name, the
+    numbers of made-up names set aside (``dense_4/kernel`` in a nested
+    model: ``sequential_1/dense_9/kernel``), and weights alike in both go
+    in the order of those numbers, the order their layers were made in:
+    not by position, which puts a layer frozen in the file after the
+    others (Keras 2 wrote a layer's trainable weights first). Taken only
+    where the whole file agrees with the model (as many layers, every
+    weight placed) and the layer names differ (the same names place each
+    layer, whatever the order); ``{}`` otherwise, and the weights go by
+    name."""
     from keras_ema_opt.compat.model_configs import RENAMED_WEIGHTS
 
-    renamed = {(old, new) for table in RENAMED_WEIGHTS.values()
+    renamed = {old: new for table in RENAMED_WEIGHTS.values()
                for old, new in table.items()}
     groups = {}
     for key in record.weights:
@@ -291,29 +343,35 @@ def _by_layer_order(record, model):
         weights = _legacy_weights(layer)
         if len(keys) != len(weights):
             return {}
-        for key, var in zip(keys, weights):
-            if tuple(np.shape(record.weights[key])) != tuple(var.shape) or (
-                    not _same_below_layer(record.names.get(key, key),
-                                          var.path, renamed)):
+        alike = {}
+        for key in keys:
+            parts = record.names.get(key, key).split("/")
+            parts[-1] = renamed.get(parts[-1], parts[-1])
+            shape = tuple(np.shape(record.weights[key]))
+            alike.setdefault((tuple(_unnumbered(p) for p in parts), shape),
+                             []).append(key)
+        taken = set()
+        for (parts, shape), theirs in alike.items():
+            ours = [v for v in weights if id(v) not in taken and tuple(
+                v.shape) == shape and [
+                _unnumbered(p) for p in v.path.split("/")[-len(parts):]
+            ] == list(parts)]
+            if len(ours) != len(theirs):
                 return {}
-            mapping[key] = var
+            theirs = sorted(theirs, key=lambda k: _made_order(
+                record.names.get(k, k)))
+            ours = sorted(ours, key=lambda v: _made_order(v.path))
+            for key, var in zip(theirs, ours):
+                mapping[key] = var
+                taken.add(id(var))
     return mapping
 
 
-def _same_below_layer(old, new, renamed):
-    """Whether a Keras 2 weight name and a Keras 3 path agree below their
-    layer, as far as both go (``mha/query/kernel`` and
-    ``mha_1/query/kernel``; ``lstm/lstm_cell/kernel`` and
-    ``lstm_2/lstm_cell_2/kernel``, numbers set aside), the last part
-    possibly renamed by Keras 3 (``depthwise_kernel`` -> ``kernel``)."""
-    old, new = old.split("/")[1:], new.split("/")[1:]
-    if not old or not new:
-        return False
-    if old[-1] != new[-1] and (old[-1], new[-1]) not in renamed:
-        return False
-    depth = min(len(old), len(new))
-    return [_unnumbered(p) for p in old[-depth:-1]] == [
-        _unnumbered(p) for p in new[-depth:-1]]
+def _made_order(path):
+    """The numbers Keras put on the names it made up (``dense`` 0,
+    ``dense_1`` 1, ...), part by part: the order the layers were made."""
+    return [int(match.group(1)) if match else 0 for match in (
+        re.search(r"_(\d+)$", part) for part in path.split("/"))]
 
 
 def assign_layout_weights(record, model):

@@ -227,6 +227,11 @@ def _model_node(graph, root):
             if name != "optimizer" and graph.children(node)
             and not _is_optimizer(graph, node)
             and _holds_variables(graph, node))
+        if len(holders) != 1:
+            # Beside a metric or a tf.Module: the root, whose child the
+            # model given finds by its object paths
+            # (`convert._model_prefix`).
+            return 0
     if len(holders) == 1:
         return root[holders[0]]
     if holders:
