@@ -490,9 +490,11 @@ class OptimizerHooks:
     def _apply_weight_decay(self, variables):
         # Keras' torch step hands `torch._foreach_mul_` the variables to
         # decay, which raises on an empty list: every variable excluded
-        # (`exclude_from_weight_decay`) is a step without decay.
-        if self.weight_decay is None or not any(
-                self._use_weight_decay(v) for v in variables):
+        # (`exclude_from_weight_decay`) is a step without decay. A
+        # `weight_decay` of None is the class's own to read: Keras' torch
+        # step skips it, and Muon still decays its Adam-updated variables
+        # by `adam_weight_decay` (skipping it here left them undecayed).
+        if not any(self._use_weight_decay(v) for v in variables):
             return
         super()._apply_weight_decay(variables)
 
