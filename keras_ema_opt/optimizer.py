@@ -142,8 +142,7 @@ def _scalar_value(value):
 
 # Arguments of Keras' base optimizer that default to None and are a
 # number where given.
-_OPTIONAL_NUMBERS = ("weight_decay", "clipnorm", "clipvalue",
-                     "global_clipnorm")
+_OPTIONAL_NUMBERS = ("weight_decay",) + _CLIP_ARGS
 
 
 def _is_number_like(value):
@@ -156,8 +155,8 @@ def _is_number_like(value):
     if shape is None or dtype is None or len(tuple(shape)) != 0:
         return False
     try:
-        return keras.backend.is_float_dtype(dtype) or keras.backend.is_int_dtype(
-            dtype)
+        return (keras.backend.is_float_dtype(dtype)
+                or keras.backend.is_int_dtype(dtype))
     except (TypeError, ValueError):
         return False
 

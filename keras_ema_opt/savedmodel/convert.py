@@ -224,14 +224,7 @@ def assign_weights(record, model, given=False):
                        if k.startswith(prefix)}
             if prefix:
                 _warn_not_the_model(record, prefix)
-        known = {id(v) for v in targets}
-        for key, value in weights.items():
-            var = _at_object_path(model, key[len(prefix):])
-            if var is not None and id(var) in known and (
-                    id(var) not in used) and (
-                    tuple(var.shape) == tuple(np.shape(value))):
-                used.add(id(var))
-                mapping[key] = var
+        mapping.update(_by_object_path(weights, model, prefix, used))
     for number in range(4):
         for key, value in weights.items():
             if key in mapping:
@@ -274,25 +267,36 @@ def _model_prefix(record, model):
     from a model, and a subclassed model no ``layer-N`` children): the one
     child of the root under which every variable of the given model is
     found by its object path. ``""`` otherwise (the root is the model)."""
-    targets = {id(v): v for v in model.weights}
+    count = len(model.weights)
 
     def placed(prefix):
-        found = set()
-        for key, value in record.weights.items():
-            if not key.startswith(prefix):
-                continue
-            var = _at_object_path(model, key[len(prefix):])
-            if var is not None and id(var) in targets and tuple(
-                    var.shape) == tuple(np.shape(value)):
-                found.add(id(var))
-        return len(found) == len(targets)
+        return len(_by_object_path(record.weights, model, prefix,
+                                   set())) == count
 
-    if not targets or placed(""):
+    if not count or placed(""):
         return ""
     heads = sorted({key.split("/")[0] for key in record.weights
                     if "/" in key})
     found = [head for head in heads if placed(head + "/")]
     return found[0] + "/" if len(found) == 1 else ""
+
+
+def _by_object_path(weights, model, prefix, used):
+    """``{key: variable}`` of the ``weights`` under ``prefix`` whose object
+    path below it leads to an unused variable of ``model`` of their shape
+    (``_at_object_path``); adds the variables to ``used``."""
+    known = {id(v) for v in model.weights}
+    mapping = {}
+    for key, value in weights.items():
+        if not key.startswith(prefix):
+            continue
+        var = _at_object_path(model, key[len(prefix):])
+        if var is not None and id(var) in known and (
+                id(var) not in used) and (
+                tuple(var.shape) == tuple(np.shape(value))):
+            used.add(id(var))
+            mapping[key] = var
+    return mapping
 
 
 def _warn_not_the_model(record, prefix):
@@ -370,8 +374,8 @@ def _by_layer_order(record, model):
 def _made_order(path):
     """The numbers Keras put on the names it made up (``dense`` 0,
     ``dense_1`` 1, ...), part by part: the order the layers were made."""
-    return [int(match.group(1)) if match else 0 for match in (
-        re.search(r"_(\d+)$", part) for part in path.split("/"))]
+    return [int(match.group()[1:]) if match else 0 for match in (
+        _NUMBERED.search(part) for part in path.split("/"))]
 
 
 def assign_layout_weights(record, model):
@@ -486,9 +490,10 @@ _LAYER_CHILD = re.compile(r"layer(_with_weights)?-([0-9]+)")
 def _at_object_path(model, key):
     """The Keras 3 variable at a Keras 2 object path, or None: each part
     an attribute (``d1``, ``cell``, ``kernel``), an item of a list
-    attribute (``blocks/0``) or of a dict attribute (``parts/proj``), or ``layer-i`` / ``layer_with_weights-i``,
-    the i-th of the model's layers (of those with weights), as Keras 2's
-    ``Functional`` and ``Sequential`` tracked them."""
+    attribute (``blocks/0``) or of a dict attribute (``parts/proj``), or
+    ``layer-i`` / ``layer_with_weights-i``, the i-th of the model's layers
+    (of those with weights), as Keras 2's ``Functional`` and
+    ``Sequential`` tracked them."""
     node = model
     for part in key.split("/"):
         match = _LAYER_CHILD.fullmatch(part)
