@@ -25,6 +25,7 @@ from keras_ema_opt.savedmodel import load_legacy
 from keras_ema_opt.savedmodel import model_from_config
 from conftest import ROOT
 from conftest import made_by_script
+from conftest import only_on
 from conftest import run_python
 from conftest import to_numpy
 
@@ -212,3 +213,156 @@ def test_adapted_vocabulary_of_a_tf_keras_keras_file_migrates(tmp_path):
     assert [str(t) for t in layer.get_vocabulary()] == theirs["vocabulary"]
     np.testing.assert_array_equal(
         to_numpy(layer(np.array([["the cat sat"]]))), theirs["ids"])
+
+
+LOOKUP_SCRIPT = os.path.join(ROOT, "tests", "scripts",
+                             "make_lookup_artifacts.py")
+
+
+@pytest.fixture(scope="module")
+def lookup_artifacts():
+    folder = made_by_script(LOOKUP_SCRIPT, [])
+    with open(os.path.join(folder, "oracle.json")) as f:
+        return folder, json.load(f)
+
+
+def _entries(values):
+    return [t.decode() if isinstance(t, bytes) else
+            int(t) if isinstance(t, np.integer) else
+            t if isinstance(t, int) else str(t) for t in values]
+
+
+def test_adapted_vocabularies_of_a_savedmodel_migrate(lookup_artifacts,
+                                                      tmp_path):
+    """An adapted `TextVectorization` / `StringLookup` / `IntegerLookup`
+    keeps its vocabulary in a lookup table of the SavedModel's graph,
+    which was refused (before that, lost without a word: every token out
+    of vocabulary). The tables are read from `saved_model.pb` and each
+    token keeps its Keras 2 index, the special tokens, a `"tf_idf"`
+    layer's idf weights and an inverted layer included: the vocabularies
+    and the layers' outputs equal tf_keras', and on TensorFlow, which
+    feeds a model strings, so does the model's prediction."""
+    from keras_ema_opt.savedmodel import inspect
+    from keras_ema_opt.savedmodel import migrate
+
+    folder, oracle = lookup_artifacts
+    record = inspect(os.path.join(folder, "lookups"))
+    assert record.summary()["vocabularies"] == {
+        "tokens": 8, "tf_idf": 8, "words": 3, "numbers": 4}
+    # The idf weights go with the table, not among the weights to place.
+    assert not [k for k in record.weights if "idf" in k or "documents" in k]
+    out = str(tmp_path / "new.keras")
+    migrate(os.path.join(folder, "lookups"), out)
+    model = keras.saving.load_model(out)
+    assert int(model.optimizer.iterations) == 1
+    for name, key in (("tokens", "text"), ("tf_idf", "document"),
+                      ("words", "word"), ("numbers", "number")):
+        layer = model.get_layer(name)
+        assert _entries(layer.get_vocabulary()) == oracle[name][
+            "vocabulary"], name
+        np.testing.assert_allclose(
+            to_numpy(layer(np.array(oracle["inputs"][key]))),
+            oracle[name]["output"], rtol=1e-6, err_msg=name)
+    if keras.backend.backend() == "tensorflow":
+        import tensorflow as tf
+
+        feed = [tf.constant(oracle["inputs"]["text"]),
+                tf.constant(oracle["inputs"]["word"]),
+                tf.constant(oracle["inputs"]["number"], tf.int64),
+                tf.constant(oracle["inputs"]["document"])]
+        np.testing.assert_allclose(model.predict(feed, verbose=0),
+                                   oracle["prediction"], rtol=1e-6)
+
+    out = str(tmp_path / "inverse.keras")
+    with pytest.warns(UserWarning, match="not compiled"):
+        migrate(os.path.join(folder, "inverse"), out)
+    layer = keras.saving.load_model(out).get_layer("inverse")
+    assert _entries(layer.get_vocabulary()) == oracle["inverse"][
+        "vocabulary"]
+    if keras.backend.backend() == "tensorflow":
+        # (Its tokens are strings, which only TensorFlow's tensors hold.)
+        got = np.asarray(layer(np.array(oracle["inputs"]["index"])))
+        assert [_entries(row) for row in got.tolist()] == oracle[
+            "inverse"]["output"]
+
+
+BLOCKED_LOOKUPS = r"""
+import sys
+sys.modules["tensorflow"] = None  # blocked: any import of it fails
+from keras_ema_opt.errors import LegacyConfigError
+from keras_ema_opt.savedmodel import load_legacy
+try:
+    load_legacy(sys.argv[1])
+except LegacyConfigError as e:
+    print("refused:", e)
+"""
+
+
+@only_on("torch")  # the checks are the same on every backend
+def test_adapted_vocabularies_that_do_not_fit_are_refused(lookup_artifacts,
+                                                          tmp_path):
+    """Where a table's tokens cannot keep their Keras 2 indices, or cannot
+    be placed by name, or the written file does not load, a typed error
+    says so, and nothing is written."""
+    import warnings
+
+    from keras_ema_opt.errors import LegacyStateError
+    from keras_ema_opt.savedmodel import migrate
+
+    folder, oracle = lookup_artifacts
+    with pytest.raises(LegacyConfigError, match="two lookup layers are "
+                       "named 'lookup'"):
+        load_legacy(os.path.join(folder, "same_names"))
+
+    def inverse(**kwargs):
+        index = keras.Input((1,), dtype="int64")
+        return keras.Model(index, keras.layers.StringLookup(
+            invert=True, name="inverse", **kwargs)(index))
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # not compiled, no optimizer
+        # Another vocabulary: the file's replaces it, as weights do.
+        model = load_legacy(os.path.join(folder, "inverse"),
+                            model=inverse(vocabulary=["p", "q"]))
+        assert _entries(model.get_layer("inverse").get_vocabulary()) == (
+            oracle["inverse"]["vocabulary"])
+        # Two out-of-vocabulary indices where Keras 2 had one: every token
+        # would move by one.
+        with pytest.raises(LegacyConfigError, match="Keras 2 gave 'y' "
+                           "index 1, the Keras 3 layer gives that index "
+                           "'\\[UNK\\]'"):
+            load_legacy(os.path.join(folder, "inverse"),
+                        model=inverse(num_oov_indices=2))
+
+    # Keras 3.15 writes a padded "tf_idf" layer's idf weights at their
+    # padded length, and refuses them when it loads the file: Keras' own
+    # round trip is the oracle of what migrate must do.
+    padded = keras.layers.TextVectorization(
+        max_tokens=12, output_mode="tf_idf", pad_to_max_tokens=True)
+    padded.adapt(np.array(["the cat sat", "the end"]))
+    inputs = keras.Input((), dtype="string")
+    own = str(tmp_path / "own.keras")
+    keras.Model(inputs, padded(inputs)).save(own)
+    try:
+        keras.saving.load_model(own)
+        keras_loads = True
+    except ValueError:
+        keras_loads = False
+    out = tmp_path / "padded.keras"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # not compiled, no optimizer
+        if keras_loads:
+            migrate(os.path.join(folder, "padded"), str(out))
+            assert _entries(keras.saving.load_model(str(out)).get_layer(
+                "padded").get_vocabulary()) == oracle["padded"]["vocabulary"]
+        else:
+            with pytest.raises(LegacyStateError, match="Keras 3 cannot "
+                               "load the .keras file it wrote"):
+                migrate(os.path.join(folder, "padded"), str(out))
+            assert not os.path.exists(out)
+
+    # Keras 3's lookup layers run on TensorFlow whatever the backend.
+    proc = run_python("-c", BLOCKED_LOOKUPS,
+                      os.path.join(folder, "lookups"), backend="jax")
+    assert "refused:" in proc.stdout and "without a package it needs" in (
+        proc.stdout), proc.stdout

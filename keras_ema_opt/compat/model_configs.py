@@ -52,6 +52,12 @@ REMOVED_ARGUMENTS = {
         "RandomFlip", "RandomRotation", "RandomZoom", "RandomTranslation",
         "RandomContrast", "RandomCrop", "RandomHeight", "RandomWidth",
         "RandomBrightness")},
+    # What tf_keras' lookup layers record of how they were made: the
+    # vocabulary itself comes from the artifact (a SavedModel's lookup
+    # table, a `.keras` file's assets), checked against its size there.
+    **{name: {"batch_input_shape": _ANY, "vocabulary_size": _ANY,
+              "has_input_vocabulary": _ANY}
+       for name in ("StringLookup", "IntegerLookup")},
     "BatchNormalization": {"fused": _ANY, "renorm": (False,),
                            "renorm_clipping": (None,),
                            "renorm_momentum": _ANY,

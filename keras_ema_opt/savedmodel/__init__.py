@@ -225,6 +225,7 @@ def _load_model(path, custom_objects, safe_mode, model):
         return model, record, {}, []
     given = model is not None
     model = _given_model(record, custom_objects, safe_mode, model)
+    convert.set_vocabularies(record, model)
     convert.check_vocabularies(record, model)
     mapping = convert.assign_weights(record, model, given=given)
     optimizer = getattr(model, "optimizer", None)
@@ -471,8 +472,15 @@ def migrate(src, dst, custom_objects=None, safe_mode=True, model=None,
         if verify:
             say("verifying: reload, compare every tensor with the model "
                 "and the source, one forward pass")
-            reloaded = keras.saving.load_model(
-                tmp, custom_objects=custom_objects, safe_mode=safe_mode)
+            try:
+                reloaded = keras.saving.load_model(
+                    tmp, custom_objects=custom_objects, safe_mode=safe_mode)
+            except (ValueError, TypeError, KeyError, AttributeError) as e:
+                raise LegacyStateError(
+                    f"{src} -> {dst}: Keras 3 cannot load the .keras file "
+                    f"it wrote for this model ({type(e).__name__}: "
+                    f"{convert._first_line(e)}). No file was written.",
+                ) from e
             try:
                 verify_same(migrated, reloaded, progress)
             except LegacyStateError as e:
@@ -560,11 +568,18 @@ def _probe_inputs(model):
     """Zeros for one forward pass of ``model``: of its inputs' shapes (empty
     strings for a string input), or, for a subclassed model (which has no
     ``inputs``), of the shape it was built on (``get_build_config``); None
-    where neither is known, or where a string input meets a backend that
-    cannot take one (the tensors were compared already)."""
+    where neither is known, or where a string input or output meets a
+    backend whose tensors cannot hold one (the tensors were compared
+    already)."""
     from keras_ema_opt import backend
 
     tensors = getattr(model, "inputs", None)
+    if backend.string_probe([1]) is None and any(
+            "string" in str(getattr(layer, "dtype", ""))
+            for layer in model._flatten_layers(include_self=False)):
+        # A layer that gives strings: an inverted StringLookup, whose
+        # symbolic output Keras 3 types int64.
+        return None
     if tensors:
         probes = [
             backend.string_probe([1 if d is None else d for d in t.shape])

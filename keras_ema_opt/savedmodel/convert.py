@@ -67,6 +67,12 @@ def build_model(record, custom_objects=None, safe_mode=True):
                 category=UserWarning)
             model = saving_utils.model_from_config(
                 config, custom_objects=custom_objects)
+    except ImportError as e:
+        # A layer that needs a package not installed (Keras 3's lookup
+        # layers run on TensorFlow, whatever the backend).
+        raise LegacyConfigError(
+            f"{record.path}: Keras 3 cannot build the Keras 2 model config "
+            f"without a package it needs ({_first_line(e)})") from e
     except (TypeError, ValueError, KeyError, AttributeError) as e:
         raise LegacyConfigError(
             f"{record.path}: Keras 3 cannot build the Keras 2 model config "
@@ -101,6 +107,96 @@ def _adapted_sizes(config, out=None):
     return out
 
 
+def set_vocabularies(record, model):
+    """The vocabularies of a SavedModel's adapted lookup layers
+    (``record.vocabularies``: each one's lookup table) into the model's
+    lookup layers of the same names, each token at the index the table
+    gave it: checked after, and refused where the layer cannot hold them
+    so (its mask or out-of-vocabulary settings differ)."""
+    if not record.vocabularies:
+        return
+    layers = {}
+    for layer in model._flatten_layers(include_self=False, recursive=True):
+        if type(layer).__name__ in _LOOKUPS or callable(
+                getattr(layer, "set_vocabulary", None)):
+            layers.setdefault(layer.name, []).append(layer)
+    for name, table in record.vocabularies.items():
+        found = layers.get(name, [])
+        if table is None or len(found) > 1:
+            raise LegacyConfigError(
+                f"{record.path}: two lookup layers are named {name!r} (in "
+                "nested models): their vocabularies cannot be placed by "
+                "name. Give the layers distinct names.")
+        if found:
+            _set_vocabulary(record, found[0], *table)
+
+
+def _set_vocabulary(record, layer, keys, values, idf=None):
+    """One layer's vocabulary from its Keras 2 lookup table (token to
+    index; index to token where the layer inverts), and a ``"tf_idf"``
+    layer's idf weights, each at its Keras 2 index (the special tokens'
+    included: Keras 3 would make up its own for them)."""
+    invert = bool(getattr(layer, "invert", False))
+    indices, tokens = (keys, values) if invert else (values, keys)
+    where = (f"{record.path}: layer {layer.name!r} "
+             f"({type(layer).__name__})")
+    if indices.dtype.kind not in "iu" or len(set(indices.tolist())) != len(
+            indices):
+        raise LegacyConfigError(
+            f"{where}: its Keras 2 lookup table does not map "
+            f"{'indices to tokens' if invert else 'tokens to indices'} one "
+            f"to one, as this layer (invert={invert}) reads it: the "
+            "layer's settings differ from the file's.")
+    order = np.argsort(indices, kind="stable")
+    indices = indices[order]
+    tokens = [_token(t) for t in tokens[order]]
+    tf_idf = layer.get_config().get("output_mode") == "tf_idf"
+    if tf_idf and idf is None:
+        raise LegacyConfigError(
+            f"{where}: the layer's output_mode is 'tf_idf', and the file "
+            "holds no idf weights for it.")
+    try:
+        layer.set_vocabulary(tokens, **(
+            {"idf_weights": np.ones(len(tokens), "float32")} if tf_idf
+            else {}))
+        if tf_idf:  # again, the special tokens with their Keras 2 weights
+            full = [_token(t) for t in layer.get_vocabulary()]
+            if len(idf) < len(full):
+                raise ValueError(f"{len(idf)} idf weights for a vocabulary "
+                                 f"of {len(full)}")
+            layer.set_vocabulary(full, idf_weights=np.asarray(
+                idf[:len(full)], "float32"))
+    except (ValueError, TypeError) as e:
+        raise LegacyConfigError(
+            f"{where}: its vocabulary of {len(tokens)} entries does not go "
+            f"into the Keras 3 layer ({type(e).__name__}: "
+            f"{_first_line(e)}).") from e
+    vocabulary = [_token(t) for t in layer.get_vocabulary()]
+    wrong = next((
+        (int(i), t) for i, t in zip(indices, tokens)
+        if not 0 <= i < len(vocabulary) or vocabulary[i] != t), None)
+    if wrong is not None:
+        index, token = wrong
+        got = vocabulary[index] if 0 <= index < len(vocabulary) else None
+        raise LegacyConfigError(
+            f"{where}: Keras 2 gave {token!r} index {index}, the Keras 3 "
+            f"layer gives that index {got!r} (its mask token or "
+            "out-of-vocabulary indices differ from the file's).")
+
+
+def _token(token):
+    """A vocabulary entry as Keras 3 lookup layers take it: text for
+    strings (``bytes`` that are not UTF-8 kept as bytes), int for ints."""
+    if isinstance(token, bytes):
+        try:
+            return token.decode("utf-8")
+        except UnicodeDecodeError:
+            return token
+    if isinstance(token, (np.integer, int)):
+        return int(token)
+    return str(token)
+
+
 def check_vocabularies(record, model):
     """An adapted ``TextVectorization`` / ``StringLookup`` /
     ``IntegerLookup`` keeps its vocabulary in a lookup table of the
@@ -118,11 +214,15 @@ def check_vocabularies(record, model):
         size = getattr(layer, "vocabulary_size", None)
         if wanted is None or not callable(size) or int(size()) >= wanted:
             continue
+        kept = ("is not in a config (a SavedModel keeps it in a lookup "
+                "table of its graph, a .keras file in its assets)"
+                if record.format == "config" else
+                "was kept in a lookup table of the Keras 2 graph, which "
+                "was not found there")
         message = (
             f"{record.path}: layer {layer.name!r} ({type(layer).__name__}) "
-            f"was adapted: its vocabulary of {wanted} entries was kept in "
-            "a lookup table of the Keras 2 graph, which is not migrated "
-            f"(the model's layer has {int(size())}).")
+            f"was adapted: its vocabulary of {wanted} entries {kept} (the "
+            f"model's layer has {int(size())}).")
         if record.format == "config":
             # `model_from_config`: the caller has the model to adapt.
             warnings.warn(message + " Give it its vocabulary "

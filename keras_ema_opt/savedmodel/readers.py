@@ -550,13 +550,64 @@ def read_savedmodel(directory):
             record.model_config = config
             record.training_config = meta.get("training_config")
     else:
+        nodes = None
         record.warnings.append(
             "No keras_metadata.pb: the model config is unknown (pass a "
             "model builder).")
     prefix = os.path.join(directory, "variables", "variables")
     read_checkpoint(prefix, _record=record)
     _attach_config(record)
+    if nodes:
+        record.vocabularies = _lookup_tables(directory, nodes, metadata,
+                                             record)
     return record
+
+
+_LOOKUPS = ("TextVectorization", "StringLookup", "IntegerLookup")
+
+
+def _lookup_tables(directory, nodes, metadata, record):
+    """``{layer name: (keys, values, idf weights or None)}``: the lookup
+    tables of the SavedModel's lookup layers (an adapted layer's
+    vocabulary lives there, not in a variable or the config), by the layer
+    whose object holds each: a ``TextVectorization``'s table is held by
+    its inner ``_lookup_layer``. A ``"tf_idf"`` layer's ``idf_weights``
+    variable goes with its table, out of ``record.weights``, with its
+    ``num_documents`` (what ``adapt`` counted, which Keras 3 layers do
+    not keep)."""
+    from keras_ema_opt.savedmodel import wire
+
+    layers = {}
+    for node in nodes:
+        if node["identifier"] != "_tf_keras_layer":
+            continue
+        meta = _json(node["metadata"], metadata, node["node_path"])
+        if meta.get("class_name") in _LOOKUPS:
+            layers[node["node_id"]] = (node["node_path"], meta.get("name"))
+    if not layers:
+        return {}
+    by_path = {path: name for path, name in layers.values()}
+    saved_model = os.path.join(directory, "saved_model.pb")
+    with open(saved_model, "rb") as f:
+        tables = wire.parse_lookup_tables(f.read(), path=saved_model)
+    out = {}
+    for table in tables:
+        if table["owner"] not in layers or table["name"] != "lookup_table":
+            continue
+        path, name = layers[table["owner"]]
+        outer, _, attribute = path.rpartition(".")
+        if attribute == "_lookup_layer" and outer in by_path:
+            name = by_path[outer]
+        key = path.partition(".")[2].replace(".", "/")
+        idf = record.weights.pop(f"{key}/idf_weights", None)
+        record.weights.pop(f"{key}/num_documents", None)
+        for popped in (f"{key}/idf_weights", f"{key}/num_documents"):
+            record.names.pop(popped, None)
+        # Two lookup layers of one name (in two nested models): neither is
+        # placed by name (None: ``convert.set_vocabularies`` refuses).
+        out[name] = None if name in out else (table["keys"],
+                                              table["values"], idf)
+    return out
 
 
 def _tuples(obj):

@@ -104,6 +104,12 @@ class LegacyRecord:
         names: ``{key: Keras 2 variable name}`` (``d1/kernel``), used to
             place the weights in a Keras 3 model.
         optimizer: :class:`OptimizerState` or ``None``.
+        vocabularies: ``{layer name: (keys, values, idf_weights)}`` of a
+            SavedModel's adapted lookup layers (``TextVectorization``,
+            ``StringLookup``, ``IntegerLookup``): the contents of each
+            one's lookup table, strings as ``bytes``, and the idf weights
+            of a ``"tf_idf"`` layer (else ``None``); ``None`` for a name
+            two such layers share.
         warnings: What the artifact lacks or what is not exact, in words.
 
     Example (``keras_ema_opt.savedmodel.inspect`` returns one):
@@ -145,6 +151,7 @@ class LegacyRecord:
     weights: dict = dataclasses.field(default_factory=dict)
     names: dict = dataclasses.field(default_factory=dict)
     optimizer: object = None
+    vocabularies: dict = dataclasses.field(default_factory=dict)
     warnings: list = dataclasses.field(default_factory=list)
 
     def summary(self):
@@ -170,6 +177,10 @@ class LegacyRecord:
                 for k, v in self.weights.items()
             },
             "optimizer": None,
+            "vocabularies": {
+                name: None if table is None else len(table[0])
+                for name, table in self.vocabularies.items()
+            },
             "warnings": list(self.warnings),
         }
         opt = self.optimizer

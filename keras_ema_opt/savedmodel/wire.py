@@ -507,3 +507,226 @@ def parse_saved_metadata(data, path=None):
             }
         )
     return out
+
+
+# ---------------------------------------------------------------------------
+# Lookup tables (saved_model.pb): the keys and values a tf_keras
+# ``StringLookup`` / ``IntegerLookup`` / ``TextVectorization`` adapted into
+# its ``StaticHashTable``. They are not variables: the table's
+# ``_initialize`` function imports them from constants of the graph.
+
+_META_GRAPH_PARTS = {2: ("graph_def", "message"),
+                     7: ("object_graph_def", "message")}
+_OBJECT_GRAPH_PARTS = {1: ("nodes", "repeated"),
+                       2: ("concrete_functions", "repeated")}
+_MAP_ENTRY = {1: ("key", "string"), 2: ("value", "message")}
+_SAVED_OBJECT_PARTS = {1: ("children", "repeated"),
+                       6: ("function", "message"),
+                       9: ("constant", "message")}
+_SAVED_FUNCTION = {1: ("concrete_functions", "repeated")}
+_SAVED_CONSTANT = {1: ("operation", "string")}
+_GRAPH_DEF = {1: ("node", "repeated"), 2: ("library", "message")}
+_NODE_DEF = {1: ("name", "string"), 2: ("op", "string"),
+             3: ("input", "repeated"), 5: ("attr", "repeated")}
+_ATTR_VALUE = {8: ("tensor", "message")}
+_LIBRARY = {1: ("function", "repeated")}
+_FUNCTION_DEF = {1: ("signature", "message"), 3: ("node_def", "repeated")}
+_OP_DEF = {1: ("name", "string"), 2: ("input_arg", "repeated")}
+_ARG_DEF = {1: ("name", "string")}
+_TENSOR_PROTO = {1: ("dtype", "int32"), 2: ("tensor_shape", "message")}
+_DT_INT32, _DT_STRING, _DT_INT64 = 3, 7, 9
+_IMPORT_OPS = ("LookupTableImportV2", "LookupTableImport")
+
+
+def _varints(number, wire_type, value, path):
+    """The integers of a repeated scalar field's occurrence, packed (wire
+    type 2) or not (0)."""
+    if wire_type == VARINT:
+        return [value]
+    _expect(number, wire_type, LENGTH_DELIMITED, "repeated scalar", path)
+    out, pos = [], 0
+    while pos < len(value):
+        item, pos = read_varint(value, pos, path=path)
+        out.append(item)
+    return out
+
+
+def parse_tensor_proto(data, path=None):
+    """A serialized ``tensorflow.TensorProto`` of strings or integers
+    (``DT_STRING``, ``DT_INT64``, ``DT_INT32``) as a 1-D numpy array:
+    strings as ``bytes`` objects. Other dtypes raise ``LegacyFormatError``
+    naming the dtype."""
+    import numpy as np
+
+    raw = _message_fields(data, _TENSOR_PROTO, "TensorProto", path)
+    dtype = raw.get("dtype", 0)
+    shape = parse_tensor_shape(raw.get("tensor_shape", b""), path) or ()
+    count = int(np.prod(shape)) if shape else 1
+    if dtype not in (_DT_INT32, _DT_STRING, _DT_INT64):
+        raise _error(f"a lookup table's constant has dtype enum {dtype}; "
+                     "accepted: string, int64, int32", path)
+    strings, numbers, content = [], [], None
+    for number, wire_type, value in fields(data, path):
+        if number == 4:  # tensor_content
+            _expect(number, wire_type, LENGTH_DELIMITED, "TensorProto", path)
+            content = value
+        elif number == 8 and dtype == _DT_STRING:  # string_val
+            _expect(number, wire_type, LENGTH_DELIMITED, "TensorProto", path)
+            strings.append(value)
+        elif (number, dtype) in ((10, _DT_INT64), (7, _DT_INT32)):
+            numbers.extend(_varints(number, wire_type, value, path))
+    if dtype == _DT_STRING:
+        values = np.empty(len(strings), dtype=object)
+        values[:] = strings
+    elif content is not None:
+        values = np.frombuffer(
+            content, "<i8" if dtype == _DT_INT64 else "<i4").astype(np.int64)
+    else:
+        convert = _int64 if dtype == _DT_INT64 else _int32
+        values = np.array([convert(v) for v in numbers], dtype=np.int64)
+    if len(values) == 1 and count > 1:  # one value, repeated (TF's fill)
+        values = np.repeat(values, count)
+    if len(values) != count:
+        raise _error(f"a TensorProto of shape {shape} holds {len(values)} "
+                     "values", path)
+    return values
+
+
+def parse_lookup_tables(data, path=None):
+    """The keys and values each lookup table of a serialized
+    ``tensorflow.SavedModel`` (``saved_model.pb``) is initialized with,
+    where they are constants of the graph (an adapted tf_keras lookup
+    layer's ``StaticHashTable``).
+
+    Follows the object graph by path: a resource node, its ``_initialize``
+    function, that function's ``LookupTableImportV2`` node, the function
+    arguments it imports, the constants bound to them, and their ``Const``
+    nodes in the graph. A table initialized otherwise (from a file, or not
+    at all) is left out.
+
+    Returns:
+        A list of dicts, one per table::
+
+            {"owner": node id of the object holding the table,
+             "name": the table's name under it ("lookup_table"),
+             "keys": 1-D numpy array, "values": 1-D numpy array}
+
+        Strings are ``bytes`` objects (an ``object`` array), integers
+        ``int64``.
+
+    Raises:
+        LegacyFormatError: The bytes are not a valid message, or a
+            constant the table imports is not in the graph.
+    """
+    saved_model = _message_fields(data, _SAVED_MODEL, "SavedModel", path)
+    meta_graphs = saved_model.get("meta_graphs", ())
+    if not meta_graphs:
+        raise _error("SavedModel has no meta graph", path)
+    meta = _message_fields(meta_graphs[0], _META_GRAPH_PARTS, "MetaGraphDef",
+                           path)
+    objects = _message_fields(meta.get("object_graph_def", b""),
+                              _OBJECT_GRAPH_PARTS, "SavedObjectGraph", path)
+    nodes = [_message_fields(n, _SAVED_OBJECT_PARTS, "SavedObject", path)
+             for n in objects.get("nodes", ())]
+    children = [dict((name, nid) for nid, name in _children(n, path))
+                for n in nodes]
+    wanted = []  # (owner, name, table node, function name)
+    for owner, named in enumerate(children):
+        for name, nid in named.items():
+            if not 0 <= nid < len(nodes) or _object_kind(
+                    objects["nodes"][nid], path) != "resource":
+                continue
+            init = children[nid].get("_initialize")
+            if init is None or "function" not in nodes[init]:
+                continue
+            functions = _message_fields(nodes[init]["function"],
+                                        _SAVED_FUNCTION, "SavedFunction",
+                                        path).get("concrete_functions", ())
+            if functions:
+                wanted.append((owner, name,
+                               _string(functions[0], "function name", path)))
+    if not wanted:
+        return []
+    bound = {}
+    for entry in objects.get("concrete_functions", ()):
+        item = _message_fields(entry, _MAP_ENTRY, "concrete_functions", path)
+        inputs = []
+        for number, wire_type, value in fields(item.get("value", b""), path):
+            if number == 2:  # SavedConcreteFunction.bound_inputs
+                inputs.extend(_int32(v) for v in
+                              _varints(number, wire_type, value, path))
+        bound[item.get("key", "")] = inputs
+    graph = _message_fields(meta.get("graph_def", b""), _GRAPH_DEF,
+                            "GraphDef", path)
+    imports = _imported_arguments(graph.get("library", b""),
+                                  {w[2] for w in wanted}, path)
+    constants, out = {}, []
+    for owner, name, function in wanted:
+        positions = imports.get(function)
+        inputs = bound.get(function, [])
+        if positions is None or max(positions) >= len(inputs):
+            continue
+        operations = []
+        for position in positions:
+            node = nodes[inputs[position]] if 0 <= inputs[
+                position] < len(nodes) else {}
+            if "constant" not in node:
+                break
+            operations.append(_message_fields(
+                node["constant"], _SAVED_CONSTANT, "SavedConstant",
+                path).get("operation", ""))
+        else:
+            out.append({"owner": owner, "name": name,
+                        "operations": operations})
+            constants.update(dict.fromkeys(operations))
+    if out:
+        _graph_constants(graph.get("node", ()), constants, path)
+    for table in out:
+        keys, values = (constants[op] for op in table.pop("operations"))
+        if keys is None or values is None:
+            raise _error(f"the constants of lookup table {table['name']!r} "
+                         "are not in the graph", path)
+        table["keys"], table["values"] = keys, values
+    return out
+
+
+def _imported_arguments(library, names, path):
+    """``{function name: (keys argument, values argument)}``: the
+    positions among the function's arguments of what its lookup-table
+    import reads, for the functions in ``names``."""
+    out = {}
+    for item in _message_fields(library, _LIBRARY, "FunctionDefLibrary",
+                                path).get("function", ()):
+        function = _message_fields(item, _FUNCTION_DEF, "FunctionDef", path)
+        signature = _message_fields(function.get("signature", b""), _OP_DEF,
+                                    "OpDef", path)
+        if signature.get("name") not in names:
+            continue
+        arguments = [_message_fields(a, _ARG_DEF, "ArgDef", path).get(
+            "name", "") for a in signature.get("input_arg", ())]
+        for node_bytes in function.get("node_def", ()):
+            node = _message_fields(node_bytes, _NODE_DEF, "NodeDef", path)
+            if node.get("op") not in _IMPORT_OPS:
+                continue
+            inputs = [_string(i, "NodeDef.input", path).split(":")[0]
+                      for i in node.get("input", ())]
+            if len(inputs) >= 3 and all(i in arguments for i in inputs[1:3]):
+                out[signature["name"]] = tuple(arguments.index(i)
+                                               for i in inputs[1:3])
+    return out
+
+
+def _graph_constants(graph_nodes, constants, path):
+    """Fill ``constants`` (``{Const node name: None}``) with the values of
+    those ``Const`` nodes of the graph."""
+    for node_bytes in graph_nodes:
+        node = _message_fields(node_bytes, _NODE_DEF, "NodeDef", path)
+        if node.get("name") not in constants or node.get("op") != "Const":
+            continue
+        for entry in node.get("attr", ()):
+            attr = _message_fields(entry, _MAP_ENTRY, "NodeDef.attr", path)
+            if attr.get("key") == "value":
+                value = _message_fields(attr.get("value", b""), _ATTR_VALUE,
+                                        "AttrValue", path)
+                constants[node["name"]] = parse_tensor_proto(
+                    value.get("tensor", b""), path)

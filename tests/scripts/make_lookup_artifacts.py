@@ -1,0 +1,122 @@
+"""Keras 2 models with adapted lookup layers, saved by real tf_keras as
+SavedModels, with tf_keras' own vocabularies and outputs (the oracle of
+``tests/test_model_configs.py``). An adapted layer keeps its vocabulary
+in a lookup table of the SavedModel's graph, not in a variable.
+
+Usage: make_lookup_artifacts.py OUT_DIR. Writes OUT_DIR/
+- ``lookups/``: a compiled, once-trained model over an int
+  ``TextVectorization``, a ``"tf_idf"`` one, a ``StringLookup`` with a
+  mask token and two out-of-vocabulary indices, and an ``IntegerLookup``;
+- ``padded/``: a ``"tf_idf"`` ``TextVectorization`` padded to its
+  ``max_tokens`` alone;
+- ``inverse/``: an adapted ``StringLookup(invert=True)`` alone;
+- ``same_names/``: two nested models, each with a ``StringLookup`` named
+  ``"lookup"``;
+- ``oracle.json``: each layer's vocabulary and its output on ``INPUTS``,
+  and the first model's prediction.
+"""
+
+import json
+import os
+import sys
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+os.environ.setdefault("TF_USE_LEGACY_KERAS", "1")
+
+import numpy as np  # noqa: E402
+import tensorflow as tf  # noqa: E402
+import tf_keras as k2  # noqa: E402
+
+L = k2.layers
+CORPUS = np.array(["the cat sat", "the dog ran far", "a cat ran",
+                   "the end"])
+WORDS = np.array(["y", "z", "y", "x", "y", "z"])
+NUMBERS = np.array([7, 9, 9, 5, 9, 7, 11])
+INPUTS = {"text": [["the cat sat far"], ["a dog"], [""]],
+          "document": ["the cat sat far", "a dog", ""],
+          "word": [["y"], ["q"], ["x"]],
+          "number": [[9], [5], [4]],
+          "index": [[0], [1], [2], [3], [4]]}
+
+
+def _vocabulary(layer):
+    return [t.decode() if isinstance(t, bytes) else
+            int(t) if isinstance(t, np.integer) else str(t)
+            for t in layer.get_vocabulary()]
+
+
+def _plain(x):
+    x = np.asarray(x)
+    return [[t.decode() for t in row] for row in x.tolist()] \
+        if x.dtype.kind in "OSU" else x.tolist()
+
+
+def make(out):
+    tokens = L.TextVectorization(max_tokens=20, output_sequence_length=5,
+                                 name="tokens")
+    tokens.adapt(CORPUS)
+    tf_idf = L.TextVectorization(max_tokens=12, output_mode="tf_idf",
+                                 name="tf_idf")
+    tf_idf.adapt(CORPUS)
+    words = L.StringLookup(mask_token="<m>", num_oov_indices=2,
+                           name="words")
+    words.adapt(WORDS)
+    numbers = L.IntegerLookup(name="numbers")
+    numbers.adapt(NUMBERS)
+    text = k2.Input((1,), dtype="string", name="text")
+    word = k2.Input((1,), dtype="string", name="word")
+    number = k2.Input((1,), dtype="int64", name="number")
+    document = k2.Input((), dtype="string", name="document")
+    x = L.Concatenate()([
+        L.GlobalAveragePooling1D()(L.Embedding(20, 3)(tokens(text))),
+        tf_idf(document),
+        L.Flatten()(L.Embedding(8, 2)(words(word))),
+        L.Flatten()(L.Embedding(6, 2)(numbers(number)))])
+    net = k2.Model([text, word, number, document],
+                   L.Dense(1, name="out")(x))
+    net.compile(optimizer=k2.optimizers.Adam(0.01), loss="mse")
+    feed = [np.array(INPUTS[k])
+            for k in ("text", "word", "number", "document")]
+    net.train_on_batch(feed, np.ones((3, 1), "float32"))
+    net.save(os.path.join(out, "lookups"), save_format="tf")
+
+    padded = L.TextVectorization(max_tokens=12, output_mode="tf_idf",
+                                 pad_to_max_tokens=True, name="padded")
+    padded.adapt(CORPUS)
+    inputs = k2.Input((), dtype="string")
+    k2.Model(inputs, padded(inputs)).save(os.path.join(out, "padded"),
+                                          save_format="tf")
+
+    inverse = L.StringLookup(invert=True, name="inverse")
+    inverse.adapt(WORDS)
+    index = k2.Input((1,), dtype="int64")
+    k2.Model(index, inverse(index)).save(os.path.join(out, "inverse"),
+                                         save_format="tf")
+
+    def nested(name):
+        lookup = L.StringLookup(name="lookup")
+        lookup.adapt(WORDS)
+        inputs = k2.Input((1,), dtype="string")
+        return k2.Model(inputs, lookup(inputs), name=name)
+
+    inputs = k2.Input((1,), dtype="string")
+    k2.Model(inputs, L.Concatenate()([nested("a")(inputs),
+                                      nested("b")(inputs)])).save(
+        os.path.join(out, "same_names"), save_format="tf")
+
+    layers = {"tokens": (tokens, "text"), "tf_idf": (tf_idf, "document"),
+              "padded": (padded, "document"),
+              "words": (words, "word"), "numbers": (numbers, "number"),
+              "inverse": (inverse, "index")}
+    oracle = {
+        name: {"vocabulary": _vocabulary(layer),
+               "output": _plain(layer(np.array(INPUTS[key])))}
+        for name, (layer, key) in layers.items()}
+    oracle["prediction"] = net.predict(feed, verbose=0).tolist()
+    oracle["inputs"] = INPUTS
+    with open(os.path.join(out, "oracle.json"), "w") as f:
+        json.dump(oracle, f)
+
+
+if __name__ == "__main__":
+    make(sys.argv[1])
