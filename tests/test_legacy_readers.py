@@ -725,3 +725,54 @@ def test_fuzz_object_graph(artifacts):
                 pass
 
     run()
+
+
+@pytest.mark.parametrize("values", [
+    np.array([b"the", b"", "caf\u00e9".encode(), b"\xff\xfe"], dtype=object),
+    np.array([7, -1, 2**40], dtype=np.int64),
+    np.array([3, -5], dtype=np.int32),
+    np.array([b"same"] * 3, dtype=object),  # TF writes one value
+    np.array([], dtype=np.int64),
+])
+def test_tensor_proto_reads_what_tensorflow_writes(values):
+    """The constants a lookup table imports, as TensorFlow serializes
+    them (strings, int64 and int32, in its packed and raw forms)."""
+    import tensorflow as tf
+
+    proto = tf.make_tensor_proto(values)
+    got = wire.parse_tensor_proto(proto.SerializeToString())
+    assert got.tolist() == values.tolist()
+    if values.dtype.kind == "i" and len(values):
+        # The raw form (`tensor_content`) of the same values.
+        raw = tf.make_tensor_proto(tf.constant(values))
+        raw.ClearField("int64_val")
+        raw.ClearField("int_val")
+        raw.tensor_content = values.astype(values.dtype.newbyteorder(
+            "<")).tobytes()
+        assert wire.parse_tensor_proto(
+            raw.SerializeToString()).tolist() == values.tolist()
+
+
+def test_fuzz_lookup_tables():
+    """A damaged saved_model.pb with a lookup table: a LegacyFormatError,
+    or tables read; never another exception."""
+    hypothesis = pytest.importorskip("hypothesis")
+    from conftest import ROOT
+    from conftest import made_by_script
+
+    folder = made_by_script(os.path.join(
+        ROOT, "tests", "scripts", "make_lookup_artifacts.py"), [])
+    with open(os.path.join(folder, "inverse", "saved_model.pb"), "rb") as f:
+        original = f.read()
+    assert [t["name"] for t in wire.parse_lookup_tables(original)] == [
+        "lookup_table"]
+
+    @_fuzz_settings()
+    @hypothesis.given(mutations=_mutations())
+    def run(mutations):
+        try:
+            wire.parse_lookup_tables(_mutate(original, mutations))
+        except LegacyFormatError:
+            pass
+
+    run()

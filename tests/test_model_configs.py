@@ -232,20 +232,35 @@ def _entries(values):
             t if isinstance(t, int) else str(t) for t in values]
 
 
+# Keras 2 releases whose SavedModels of the same layers are committed
+# (``tests/scripts/make_old_tf_fixtures.sh``), beside tf_keras' made here.
+OLD_LOOKUPS = {version: os.path.join(ROOT, "tests", "fixtures",
+                                     f"tf{version}-lookups")
+               for version in ("2.12", "2.15")}
+
+
+@pytest.mark.parametrize("source", ["tf_keras", *sorted(OLD_LOOKUPS)])
 def test_adapted_vocabularies_of_a_savedmodel_migrate(lookup_artifacts,
-                                                      tmp_path):
+                                                      tmp_path, source):
     """An adapted `TextVectorization` / `StringLookup` / `IntegerLookup`
     keeps its vocabulary in a lookup table of the SavedModel's graph,
     which was refused (before that, lost without a word: every token out
     of vocabulary). The tables are read from `saved_model.pb` and each
     token keeps its Keras 2 index, the special tokens, a `"tf_idf"`
     layer's idf weights and an inverted layer included: the vocabularies
-    and the layers' outputs equal tf_keras', and on TensorFlow, which
-    feeds a model strings, so does the model's prediction."""
+    and the layers' outputs equal those of the Keras 2 that wrote them
+    (tf_keras here, or tf.keras 2.12 and Keras 2.15), and on TensorFlow,
+    which feeds a model strings, so does the model's prediction."""
     from keras_ema_opt.savedmodel import inspect
     from keras_ema_opt.savedmodel import migrate
 
     folder, oracle = lookup_artifacts
+    if source in OLD_LOOKUPS:
+        folder = OLD_LOOKUPS[source]
+        with open(os.path.join(folder, "TENSORFLOW_VERSION")) as f:
+            assert f.read().startswith(source + ".")
+        with open(os.path.join(folder, "oracle.json")) as f:
+            oracle = json.load(f)
     record = inspect(os.path.join(folder, "lookups"))
     assert record.summary()["vocabularies"] == {
         "tokens": 8, "tf_idf": 8, "words": 3, "numbers": 4}

@@ -579,8 +579,13 @@ def parse_tensor_proto(data, path=None):
         values = np.empty(len(strings), dtype=object)
         values[:] = strings
     elif content is not None:
+        width = 8 if dtype == _DT_INT64 else 4
+        if len(content) % width:
+            raise _error(f"a TensorProto's content of {len(content)} bytes "
+                         f"is no whole number of {width}-byte integers",
+                         path)
         values = np.frombuffer(
-            content, "<i8" if dtype == _DT_INT64 else "<i4").astype(np.int64)
+            content, "<i8" if width == 8 else "<i4").astype(np.int64)
     else:
         convert = _int64 if dtype == _DT_INT64 else _int32
         values = np.array([convert(v) for v in numbers], dtype=np.int64)

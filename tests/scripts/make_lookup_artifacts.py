@@ -25,7 +25,10 @@ os.environ.setdefault("TF_USE_LEGACY_KERAS", "1")
 
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
-import tf_keras as k2  # noqa: E402
+try:
+    import tf_keras as k2  # noqa: E402
+except ImportError:  # TensorFlow 2.15 and before: tf.keras is Keras 2
+    k2 = tf.keras
 
 L = k2.layers
 CORPUS = np.array(["the cat sat", "the dog ran far", "a cat ran",

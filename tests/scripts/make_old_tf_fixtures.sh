@@ -10,7 +10,9 @@
 # tests/test_migration.py reads every case in the folder (OLD_TF) and checks
 # the set is complete. The set is small on purpose: every optimizer that
 # Keras 2 release has (new and OptimizerV2, EMA on and off) on the MLP, and
-# a few on the other models, each in all four formats.
+# a few on the other models, each in all four formats. Beside it,
+# tests/fixtures/tfVERSION-lookups/ holds SavedModels of adapted lookup
+# layers (make_lookup_artifacts.py).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 VERSION=${1:?usage: make_old_tf_fixtures.sh 2.12|2.15 [PYTHON3.11]}
@@ -45,3 +47,15 @@ TF_USE_LEGACY_KERAS=0 CUDA_VISIBLE_DEVICES="" TF_CPP_MIN_LOG_LEVEL=3 \
 rm -rf "$OUT"
 mv "$OUT.tmp" "$OUT"
 du -sh "$OUT"
+# Adapted lookup layers, whose vocabularies a SavedModel keeps in its graph
+# (tests/test_model_configs.py): the trained model and the inverted layer.
+rm -rf "$OUT-lookups.tmp"
+mkdir -p "$OUT-lookups.tmp"
+TF_USE_LEGACY_KERAS=0 CUDA_VISIBLE_DEVICES="" TF_CPP_MIN_LOG_LEVEL=3 \
+    "$VENV/bin/python" tests/scripts/make_lookup_artifacts.py \
+    "$OUT-lookups.tmp"
+rm -rf "$OUT-lookups.tmp/padded" "$OUT-lookups.tmp/same_names"
+cp "$OUT/TENSORFLOW_VERSION" "$OUT-lookups.tmp/"
+rm -rf "$OUT-lookups"
+mv "$OUT-lookups.tmp" "$OUT-lookups"
+du -sh "$OUT-lookups"
