@@ -301,6 +301,83 @@ def test_adapted_vocabularies_of_a_savedmodel_migrate(lookup_artifacts,
             "inverse"]["output"]
 
 
+def test_adapted_lookups_of_a_tf_keras_keras_file_migrate(lookup_artifacts,
+                                                          tmp_path):
+    """A tf_keras `.keras` file of an adapted `StringLookup` and
+    `IntegerLookup`: Keras 3 could not build their tf_keras configs
+    (`vocabulary_size`, `has_input_vocabulary`, `batch_input_shape`), so
+    the model had to be given. Built now, their vocabularies come from the
+    file's assets. A `"tf_idf"` layer, whose weights Keras 3 cannot lay
+    out before it has a vocabulary, is a typed error naming it (it was an
+    AttributeError from Keras), and migrates into a model given with the
+    layer given a vocabulary of that size, which the file's replaces. A
+    layer built with a vocabulary, which Keras' loader keeps over the
+    file's, is named (it kept its own without a word)."""
+    from keras_ema_opt.errors import LegacyConfigError
+    from keras_ema_opt.errors import LegacyStateError
+    from keras_ema_opt.savedmodel import migrate
+
+    folder, oracle = lookup_artifacts
+    out = str(tmp_path / "words.keras")
+    with pytest.warns(UserWarning, match="not compiled"):
+        migrate(os.path.join(folder, "words.keras"), out)
+    model = keras.saving.load_model(out)
+    for name, key in (("words", "word"), ("numbers", "number")):
+        layer = model.get_layer(name)
+        assert _entries(layer.get_vocabulary()) == oracle[name][
+            "vocabulary"], name
+        np.testing.assert_array_equal(
+            to_numpy(layer(np.array(oracle["inputs"][key]))),
+            oracle[name]["output"], err_msg=name)
+    path = os.path.join(folder, "lookups.keras")
+    with pytest.raises(LegacyConfigError, match=r"the 'tf_idf' lookup "
+                       r"layers \['tf_idf'\] before they have a "
+                       "vocabulary"):
+        load_legacy(path)
+
+    def given(vocabulary=None):
+        L = keras.layers
+        tokens = L.TextVectorization(max_tokens=20, output_sequence_length=5,
+                                     name="tokens", vocabulary=vocabulary)
+        tf_idf = L.TextVectorization(max_tokens=12, output_mode="tf_idf",
+                                     name="tf_idf")
+        size = len(oracle["tf_idf"]["vocabulary"]) - 1
+        tf_idf.set_vocabulary([f"t{i}" for i in range(size)],
+                              idf_weights=np.ones(size))
+        words = L.StringLookup(mask_token="<m>", num_oov_indices=2,
+                               name="words")
+        numbers = L.IntegerLookup(name="numbers")
+        text = keras.Input((1,), dtype="string")
+        word = keras.Input((1,), dtype="string")
+        number = keras.Input((1,), dtype="int64")
+        document = keras.Input((), dtype="string")
+        x = L.Concatenate()([
+            L.GlobalAveragePooling1D()(L.Embedding(20, 3)(tokens(text))),
+            tf_idf(document),
+            L.Flatten()(L.Embedding(8, 2)(words(word))),
+            L.Flatten()(L.Embedding(6, 2)(numbers(number)))])
+        return keras.Model([text, word, number, document],
+                           L.Dense(1, name="out")(x))
+
+    # Its vocabulary and idf weights come from the file's assets and
+    # weights, in place of those it was given.
+    model = load_legacy(path, model=given)
+    for name, key in (("tokens", "text"), ("tf_idf", "document")):
+        layer = model.get_layer(name)
+        assert _entries(layer.get_vocabulary()) == oracle[name][
+            "vocabulary"], name
+        np.testing.assert_allclose(
+            to_numpy(layer(np.array(oracle["inputs"][key]))),
+            oracle[name]["output"], rtol=1e-6, err_msg=name)
+    # A layer built with a vocabulary keeps it when Keras loads assets:
+    # named, where before it kept its own without a word.
+    with pytest.raises(LegacyStateError, match="its asset layers/"
+                       "text_vectorization/_lookup_layer/vocabulary.txt did "
+                       "not go into the Keras 3 model"):
+        load_legacy(path, model=lambda: given(vocabulary=[
+            str(t) for t in oracle["tokens"]["vocabulary"][2:]]))
+
+
 BLOCKED_LOOKUPS = r"""
 import sys
 sys.modules["tensorflow"] = None  # blocked: any import of it fails

@@ -238,7 +238,14 @@ def load_zip_assets(record, model):
     """The assets of a tf_keras ``.keras`` file (an adapted lookup layer's
     ``vocabulary.txt``) into ``model``, where Keras 3's own loader puts
     them: both name a layer's place by the same layout
-    (``assets/layers/text_vectorization/``)."""
+    (``assets/layers/text_vectorization/``).
+
+    Raises:
+        LegacyStateError: the assets do not load, or one of them is not
+            in the model after (a layer built with a vocabulary of its
+            own, which Keras' loader keeps), naming its place.
+    """
+    import os
     import zipfile
 
     from keras.src.saving import saving_lib
@@ -259,6 +266,39 @@ def load_zip_assets(record, model):
                 f"({type(e).__name__}: {_first_line(e)}).") from e
         finally:
             store.close()
+        # Each asset back out of the model, path by path: Keras' loader
+        # leaves a layer built with a vocabulary of its own (it is in its
+        # config), and a file's vocabulary with no layer at its place.
+        written = saving_lib.DiskIOStore("assets", mode="w")
+        try:
+            saving_lib._save_state(model, weights_store=None,
+                                   assets_store=written, inner_path="",
+                                   visited_saveables=set())
+            for name in archive.namelist():
+                if not name.startswith("assets/") or name.endswith("/"):
+                    continue
+                inner = name[len("assets/"):]
+                path = written.get(inner)
+                got = None
+                if path is not None and os.path.isfile(path):
+                    with open(path, "rb") as f:
+                        got = f.read().splitlines()
+                want = archive.read(name).splitlines()
+                while want and not want[-1]:
+                    want.pop()
+                while got and not got[-1]:
+                    got.pop()
+                if got != want:
+                    raise LegacyStateError(
+                        f"{record.path}: its asset {inner} did not go into "
+                        "the Keras 3 model, whose layer at that place "
+                        + ("keeps no such asset" if got is None else
+                           f"holds another ({len(got)} entries, the "
+                           f"file's {len(want)})") + " (a layer built "
+                        "with a vocabulary keeps it: build it without "
+                        "one).")
+        finally:
+            written.close()
 
 
 def _first_line(error):
@@ -507,7 +547,31 @@ def assign_layout_weights(record, model):
 
     with tempfile.TemporaryDirectory() as tmp:
         probe = os.path.join(tmp, "layout.weights.h5")
-        model.save_weights(probe)
+        try:
+            model.save_weights(probe)
+        except AttributeError as e:
+            # Keras 3.15 cannot save a "tf_idf" lookup layer that has no
+            # vocabulary yet (its idf weights are made with it).
+            layers = list(model._flatten_layers(include_self=False,
+                                                recursive=True))
+            inner = {id(getattr(layer, "_lookup_layer", None))
+                     for layer in layers}  # a TextVectorization's own
+            unset = [layer.name for layer in layers
+                     if type(layer).__name__ in _LOOKUPS
+                     and id(layer) not in inner
+                     and layer.get_config().get("output_mode") == "tf_idf"]
+            if not unset:
+                raise
+            raise LegacyConfigError(
+                f"{record.path}: Keras 3 cannot lay out the weights of the "
+                f"'tf_idf' lookup layers {unset} before they have a "
+                "vocabulary, which this file's assets would give them "
+                f"({type(e).__name__}: {_first_line(e)}). Pass the model "
+                "(`model=` / `--model module:function`) with those layers "
+                "given a vocabulary of the file's size by `set_vocabulary"
+                "(tokens, idf_weights=...)` (not `vocabulary=`, which a "
+                "layer keeps over the file's): the file's replace them.",
+            ) from e
         wanted = layout(probe)
         extra = sorted(set(record.weights) - set(wanted))
         missing = sorted(set(wanted) - set(record.weights))

@@ -7,6 +7,9 @@ Usage: make_lookup_artifacts.py OUT_DIR. Writes OUT_DIR/
 - ``lookups/``: a compiled, once-trained model over an int
   ``TextVectorization``, a ``"tf_idf"`` one, a ``StringLookup`` with a
   mask token and two out-of-vocabulary indices, and an ``IntegerLookup``;
+- but with tf.keras 2.12, ``lookups.keras`` (the ``.keras`` format, which
+  keeps the vocabularies in its assets), and ``words.keras``, the same
+  without its text layers;
 - ``padded/``: a ``"tf_idf"`` ``TextVectorization`` padded to its
   ``max_tokens`` alone;
 - ``inverse/``: an adapted ``StringLookup(invert=True)`` alone;
@@ -82,6 +85,15 @@ def make(out):
             for k in ("text", "word", "number", "document")]
     net.train_on_batch(feed, np.ones((3, 1), "float32"))
     net.save(os.path.join(out, "lookups"), save_format="tf")
+    # `.keras` files (tf.keras 2.12 writes none of these layers).
+    if not tf.__version__.startswith("2.12."):
+        net.save(os.path.join(out, "lookups.keras"))
+        # The same without its "tf_idf" layer, which Keras 3 cannot lay
+        # out before it has a vocabulary.
+        k2.Model([word, number], L.Dense(1, name="out")(L.Concatenate()([
+            L.Flatten()(L.Embedding(8, 2)(words(word))),
+            L.Flatten()(L.Embedding(6, 2)(numbers(number)))]))).save(
+                os.path.join(out, "words.keras"))
 
     padded = L.TextVectorization(max_tokens=12, output_mode="tf_idf",
                                  pad_to_max_tokens=True, name="padded")
