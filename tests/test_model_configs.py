@@ -232,6 +232,18 @@ def _entries(values):
             t if isinstance(t, int) else str(t) for t in values]
 
 
+def _assert_lookups_like(model, oracle, layers):
+    """Each of ``layers`` (``{name: input key}``) holds the oracle's
+    vocabulary and gives its output on the oracle's inputs."""
+    for name, key in layers.items():
+        layer = model.get_layer(name)
+        assert _entries(layer.get_vocabulary()) == oracle[name][
+            "vocabulary"], name
+        np.testing.assert_allclose(
+            to_numpy(layer(np.array(oracle["inputs"][key]))),
+            oracle[name]["output"], rtol=1e-6, err_msg=name)
+
+
 # Keras 2 releases whose SavedModels of the same layers are committed
 # (``tests/scripts/make_old_tf_fixtures.sh``), beside tf_keras' made here.
 OLD_LOOKUPS = {version: os.path.join(ROOT, "tests", "fixtures",
@@ -270,14 +282,9 @@ def test_adapted_vocabularies_of_a_savedmodel_migrate(lookup_artifacts,
     migrate(os.path.join(folder, "lookups"), out)
     model = keras.saving.load_model(out)
     assert int(model.optimizer.iterations) == 1
-    for name, key in (("tokens", "text"), ("tf_idf", "document"),
-                      ("words", "word"), ("numbers", "number")):
-        layer = model.get_layer(name)
-        assert _entries(layer.get_vocabulary()) == oracle[name][
-            "vocabulary"], name
-        np.testing.assert_allclose(
-            to_numpy(layer(np.array(oracle["inputs"][key]))),
-            oracle[name]["output"], rtol=1e-6, err_msg=name)
+    _assert_lookups_like(model, oracle, {
+        "tokens": "text", "tf_idf": "document", "words": "word",
+        "numbers": "number"})
     if keras.backend.backend() == "tensorflow":
         import tensorflow as tf
 
@@ -322,13 +329,8 @@ def test_adapted_lookups_of_a_tf_keras_keras_file_migrate(lookup_artifacts,
     with pytest.warns(UserWarning, match="not compiled"):
         migrate(os.path.join(folder, "words.keras"), out)
     model = keras.saving.load_model(out)
-    for name, key in (("words", "word"), ("numbers", "number")):
-        layer = model.get_layer(name)
-        assert _entries(layer.get_vocabulary()) == oracle[name][
-            "vocabulary"], name
-        np.testing.assert_array_equal(
-            to_numpy(layer(np.array(oracle["inputs"][key]))),
-            oracle[name]["output"], err_msg=name)
+    _assert_lookups_like(model, oracle, {"words": "word",
+                                         "numbers": "number"})
     path = os.path.join(folder, "lookups.keras")
     with pytest.raises(LegacyConfigError, match=r"the 'tf_idf' lookup "
                        r"layers \['tf_idf'\] before they have a "
@@ -362,13 +364,8 @@ def test_adapted_lookups_of_a_tf_keras_keras_file_migrate(lookup_artifacts,
     # Its vocabulary and idf weights come from the file's assets and
     # weights, in place of those it was given.
     model = load_legacy(path, model=given)
-    for name, key in (("tokens", "text"), ("tf_idf", "document")):
-        layer = model.get_layer(name)
-        assert _entries(layer.get_vocabulary()) == oracle[name][
-            "vocabulary"], name
-        np.testing.assert_allclose(
-            to_numpy(layer(np.array(oracle["inputs"][key]))),
-            oracle[name]["output"], rtol=1e-6, err_msg=name)
+    _assert_lookups_like(model, oracle, {"tokens": "text",
+                                         "tf_idf": "document"})
     # A layer built with a vocabulary keeps it when Keras loads assets:
     # named, where before it kept its own without a word.
     with pytest.raises(LegacyStateError, match="its asset layers/"
