@@ -17,6 +17,8 @@ from keras_ema_opt.compat import losses as compat_losses
 from keras_ema_opt.compat import slots as slot_tables
 from keras_ema_opt.errors import LegacyConfigError
 from keras_ema_opt.errors import LegacyStateError
+from keras_ema_opt.savedmodel.readers import LOOKUP_LAYERS as _LOOKUPS
+
 
 def _contains_lambda(config):
     if isinstance(config, dict):
@@ -84,9 +86,6 @@ def build_model(record, custom_objects=None, safe_mode=True):
     if record.format == "config":
         check_vocabularies(record, model)
     return model
-
-
-_LOOKUPS = ("TextVectorization", "StringLookup", "IntegerLookup")
 
 
 def _adapted_sizes(config, out=None):

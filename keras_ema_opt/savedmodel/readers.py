@@ -563,7 +563,8 @@ def read_savedmodel(directory):
     return record
 
 
-_LOOKUPS = ("TextVectorization", "StringLookup", "IntegerLookup")
+# The Keras 2 (and 3) layers whose vocabulary is a lookup table.
+LOOKUP_LAYERS = ("TextVectorization", "StringLookup", "IntegerLookup")
 
 
 def _lookup_tables(directory, nodes, metadata, record):
@@ -582,7 +583,7 @@ def _lookup_tables(directory, nodes, metadata, record):
         if node["identifier"] != "_tf_keras_layer":
             continue
         meta = _json(node["metadata"], metadata, node["node_path"])
-        if meta.get("class_name") in _LOOKUPS:
+        if meta.get("class_name") in LOOKUP_LAYERS:
             layers[node["node_id"]] = (node["node_path"], meta.get("name"))
     if not layers:
         return {}
