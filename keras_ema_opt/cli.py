@@ -252,6 +252,10 @@ def _inspect(args):
             print(f"  config: {json.dumps(opt['config'].get('config', opt['config']))}")
         for name, slots in opt["slots"].items():
             print(f"    {name}: {', '.join(slots)}")
+    for name, size in summary["vocabularies"].items():
+        print(f"  vocabulary of {name}: " + (
+            "two layers of this name" if size is None else
+            f"{size} tokens (a lookup table of the graph)"))
     for warning in summary["warnings"]:
         print(f"  note: {warning}")
     return 0

@@ -455,3 +455,77 @@ def test_adapted_vocabularies_that_do_not_fit_are_refused(lookup_artifacts,
                       os.path.join(folder, "lookups"), backend="jax")
     assert "refused:" in proc.stdout and "without a package it needs" in (
         proc.stdout), proc.stdout
+
+
+@only_on("torch")  # the checks are the same on every backend
+def test_lookup_tables_read_around_what_is_not_theirs(lookup_artifacts,
+                                                      tmp_path):
+    """From review: a user's table of floats beside an adapted layer made
+    the SavedModel unreadable (its constants were parsed too); a layer of
+    the file named as Keras 3 names a `TextVectorization`'s inner lookup
+    layer (`string_lookup`) was refused as a second layer of that name; a
+    table whose layer the model given does not have was dropped without a
+    word (the layer had no vocabulary); a token with a `\\r` lost it in a
+    `.keras` file, without a word (Keras 3 reads vocabulary files by
+    lines, as the write-back check did); a vocabulary read from a file was
+    said to be adapted."""
+    import warnings
+
+    from keras_ema_opt.errors import LegacyStateError
+    from keras_ema_opt.savedmodel import inspect
+    from keras_ema_opt.savedmodel import migrate
+
+    folder, oracle = lookup_artifacts
+    assert set(inspect(os.path.join(folder, "float_table")).vocabularies) \
+        == {"words"}
+    with pytest.warns(UserWarning, match="not compiled"):
+        model = load_legacy(os.path.join(folder, "default_names"))
+    for name, vocabulary in oracle["default_names"].items():
+        assert _entries(model.get_layer(name).get_vocabulary()) == (
+            vocabulary), name
+
+    with pytest.raises(LegacyConfigError, match="the vocabulary of its "
+                       "lookup layer 'inverse' .3 entries. has no layer of "
+                       r"that name in the Keras 3 model, whose lookup layers "
+                       r"are \['renamed'\]"):
+        index = keras.Input((1,), dtype="int64")
+        load_legacy(os.path.join(folder, "inverse"), model=keras.Model(
+            index, keras.layers.StringLookup(invert=True, name="renamed")(
+                index)))
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # not compiled, no optimizer
+        for path, match in (
+                ("carriage", "Keras 3 writes it as a file of lines"),
+                ("carriage.keras", r"entry 1 is b'cat\\r' in the file, "
+                                   "b'cat' in the model")):
+            out = tmp_path / "out.keras"
+            with pytest.raises(LegacyStateError, match=match):
+                migrate(os.path.join(folder, path), str(out))
+            assert not out.exists()
+        with pytest.raises(LegacyConfigError, match="layer 'from_file' "
+                           r"\(StringLookup\) was given: its vocabulary of 4 "
+                           "entries was read from a file"):
+            load_legacy(os.path.join(folder, "from_file"))
+
+
+@only_on("tensorflow")  # where the forward pass of this model fails
+def test_a_forward_pass_that_fails_is_a_typed_error(lookup_artifacts,
+                                                    tmp_path):
+    """tf_keras builds a `Sequential` whose first layer is a `StringLookup`
+    for an int64 input, and so does Keras 3: its forward pass on zeros
+    fails in TensorFlow's graph. That was TensorFlow's own error out of
+    `migrate`; now a `LegacyStateError`, and nothing is written."""
+    import warnings
+
+    from keras_ema_opt.errors import LegacyStateError
+    from keras_ema_opt.savedmodel import migrate
+
+    folder, _ = lookup_artifacts
+    out = tmp_path / "out.keras"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # not compiled, no optimizer
+        with pytest.raises(LegacyStateError, match="fails its forward "
+                           "pass on zeros"):
+            migrate(os.path.join(folder, "first_in_sequential"), str(out))
+    assert not out.exists()

@@ -544,7 +544,14 @@ def verify_same(expected, actual, progress=None):
     _verify_vocabularies(expected, actual)
     inputs = _probe_inputs(actual)
     if inputs is not None:
-        actual.predict(inputs if len(inputs) > 1 else inputs[0], verbose=0)
+        try:
+            actual.predict(inputs if len(inputs) > 1 else inputs[0],
+                           verbose=0)
+        except Exception as e:  # the backend's own error types, any of them
+            raise LegacyStateError(
+                "The written .keras file's model fails its forward pass on "
+                f"zeros of its inputs' shapes and dtypes ({type(e).__name__}"
+                f": {convert._first_line(e)}).") from e
 
 
 def _verify_vocabularies(expected, actual):
@@ -561,7 +568,9 @@ def _verify_vocabularies(expected, actual):
             raise LegacyStateError(
                 f"The vocabulary of layer {name!r} differs after writing "
                 f"and reloading the .keras file ({len(want)} entries "
-                f"before, {len(got)} after).")
+                f"before, {len(got)} after): Keras 3 writes it as a file "
+                "of lines and reads it back line by line, so a token with "
+                "a line break in it (\\r, \\u2028) does not survive it.")
 
 
 def _probe_inputs(model):

@@ -76,21 +76,29 @@ def build_model(record, custom_objects=None, safe_mode=True):
             f"{record.path}: Keras 3 cannot build the Keras 2 model config "
             f"without a package it needs ({_first_line(e)})") from e
     except (TypeError, ValueError, KeyError, AttributeError) as e:
+        # Keras wraps what a layer refused as "Error when deserializing
+        # class ... Exception encountered: <the reason>".
+        reason = str(e).partition("Exception encountered:")[2].strip()
+        reason = reason.split("\n\n")[0] if reason else _first_line(e)
+        advice = (
+            "Pass `safe_mode=False` (`--unsafe` on the command line) if "
+            "you trust the file." if "safe_mode" in reason else
+            "A custom class comes in through `custom_objects` / "
+            "`--custom-objects module`; a subclassed model, which your "
+            "code builds, through `model=` / `--model module:function`.")
         raise LegacyConfigError(
             f"{record.path}: Keras 3 cannot build the Keras 2 model config "
-            f"({type(e).__name__}: {_first_line(e)}). A custom class comes "
-            "in through `custom_objects` / `--custom-objects module`; a "
-            "subclassed model, which your code builds, through `model=` / "
-            "`--model module:function`."
-        ) from e
+            f"({type(e).__name__}: {reason}). {advice}") from e
     if record.format == "config":
         check_vocabularies(record, model)
     return model
 
 
 def _adapted_sizes(config, out=None):
-    """``{layer name: vocabulary size}`` of the lookup layers in a Keras 2
-    model config whose vocabulary was not given (``adapt`` made it)."""
+    """``{layer name: (vocabulary size, from a file)}`` of the lookup
+    layers in a Keras 2 model config whose vocabulary is not in it:
+    ``adapt`` made it, or it was read from a file (a SavedModel's config
+    holds None for a file's vocabulary, and ``has_input_vocabulary``)."""
     out = {} if out is None else out
     if isinstance(config, list):
         for item in config:
@@ -100,7 +108,9 @@ def _adapted_sizes(config, out=None):
         if config.get("class_name") in _LOOKUPS and isinstance(inner, dict) \
                 and inner.get("vocabulary") is None and isinstance(
                     inner.get("vocabulary_size"), int):
-            out[inner.get("name")] = inner["vocabulary_size"]
+            out[inner.get("name")] = (
+                inner["vocabulary_size"],
+                inner.get("has_input_vocabulary") is True)
         for value in config.values():
             _adapted_sizes(value, out)
     return out
@@ -115,10 +125,8 @@ def set_vocabularies(record, model):
     if not record.vocabularies:
         return
     layers = {}
-    for layer in model._flatten_layers(include_self=False, recursive=True):
-        if type(layer).__name__ in _LOOKUPS or callable(
-                getattr(layer, "set_vocabulary", None)):
-            layers.setdefault(layer.name, []).append(layer)
+    for layer in _lookup_layers(model):
+        layers.setdefault(layer.name, []).append(layer)
     for name, table in record.vocabularies.items():
         found = layers.get(name, [])
         if table is None or len(found) > 1:
@@ -126,8 +134,25 @@ def set_vocabularies(record, model):
                 f"{record.path}: two lookup layers are named {name!r} (in "
                 "nested models): their vocabularies cannot be placed by "
                 "name. Give the layers distinct names.")
-        if found:
-            _set_vocabulary(record, found[0], *table)
+        if not found:
+            raise LegacyConfigError(
+                f"{record.path}: the vocabulary of its lookup layer "
+                f"{name!r} ({len(table[0])} entries) has no layer of that "
+                "name in the Keras 3 model, whose lookup layers are "
+                f"{sorted(layers)}. Name the layer as in the file.")
+        _set_vocabulary(record, found[0], *table)
+
+
+def _lookup_layers(model):
+    """The model's lookup layers (``LOOKUP_LAYERS``, or any layer with
+    ``set_vocabulary``), a ``TextVectorization``'s own inner lookup layer
+    left out (Keras 3 names it ``string_lookup``, as a layer of the file
+    may be named)."""
+    layers = list(model._flatten_layers(include_self=False, recursive=True))
+    inner = {id(getattr(layer, "_lookup_layer", None)) for layer in layers}
+    return [layer for layer in layers if id(layer) not in inner and (
+        type(layer).__name__ in _LOOKUPS
+        or callable(getattr(layer, "set_vocabulary", None)))]
 
 
 def _set_vocabulary(record, layer, keys, values, idf=None):
@@ -208,20 +233,24 @@ def check_vocabularies(record, model):
     sizes = _adapted_sizes(record.model_config)
     if not sizes:
         return
-    for layer in model._flatten_layers(include_self=False, recursive=True):
-        wanted = sizes.get(layer.name)
+    for layer in _lookup_layers(model):
+        wanted, from_file = sizes.get(layer.name, (None, False))
         size = getattr(layer, "vocabulary_size", None)
         if wanted is None or not callable(size) or int(size()) >= wanted:
             continue
         kept = ("is not in a config (a SavedModel keeps it in a lookup "
                 "table of its graph, a .keras file in its assets)"
                 if record.format == "config" else
+                "was read from a file when it was built, which the "
+                "SavedModel keeps in its assets/ folder: it is not "
+                "migrated" if from_file else
                 "was kept in a lookup table of the Keras 2 graph, which "
                 "was not found there")
         message = (
             f"{record.path}: layer {layer.name!r} ({type(layer).__name__}) "
-            f"was adapted: its vocabulary of {wanted} entries {kept} (the "
-            f"model's layer has {int(size())}).")
+            f"was {'given' if from_file else 'adapted'}: its vocabulary of "
+            f"{wanted} entries {kept} (the model's layer has "
+            f"{int(size())}).")
         if record.format == "config":
             # `model_from_config`: the caller has the model to adapt.
             warnings.warn(message + " Give it its vocabulary "
@@ -281,23 +310,41 @@ def load_zip_assets(record, model):
                 got = None
                 if path is not None and os.path.isfile(path):
                     with open(path, "rb") as f:
-                        got = f.read().splitlines()
-                want = archive.read(name).splitlines()
-                while want and not want[-1]:
-                    want.pop()
-                while got and not got[-1]:
-                    got.pop()
-                if got != want:
+                        got = _lines(f.read())
+                want = _lines(archive.read(name))
+                if got is None:
                     raise LegacyStateError(
                         f"{record.path}: its asset {inner} did not go into "
-                        "the Keras 3 model, whose layer at that place "
-                        + ("keeps no such asset" if got is None else
-                           f"holds another ({len(got)} entries, the "
-                           f"file's {len(want)})") + " (a layer built "
-                        "with a vocabulary keeps it: build it without "
+                        "the Keras 3 model, whose layer at that place keeps "
+                        "no such asset (a layer built with a vocabulary, "
+                        "`vocabulary=`, keeps its own: build it without "
                         "one).")
+                if got != want:
+                    at = next((i for i, (a, b) in enumerate(zip(got, want))
+                               if a != b), min(len(got), len(want)))
+                    raise LegacyStateError(
+                        f"{record.path}: its asset {inner} is not what the "
+                        f"Keras 3 model holds after loading it: entry {at} "
+                        "is "
+                        + (repr(want[at]) if at < len(want) else "past the "
+                           "end") + " in the file, "
+                        + (repr(got[at]) if at < len(got) else "past the "
+                           "end") + f" in the model ({len(want)} and "
+                        f"{len(got)} entries). Keras 3 reads a vocabulary "
+                        "file line by line, so a token with a line break "
+                        "in it (\\r, \\u2028) does not survive it.")
         finally:
             written.close()
+
+
+def _lines(data):
+    """The entries of a vocabulary file's bytes as tf_keras wrote them:
+    split at each ``\\n`` only (a token may hold a ``\\r``), the empty
+    ones at the end left out."""
+    lines = data.split(b"\n")
+    while lines and not lines[-1]:
+        lines.pop()
+    return lines
 
 
 def _first_line(error):
@@ -551,14 +598,8 @@ def assign_layout_weights(record, model):
         except AttributeError as e:
             # Keras 3.15 cannot save a "tf_idf" lookup layer that has no
             # vocabulary yet (its idf weights are made with it).
-            layers = list(model._flatten_layers(include_self=False,
-                                                recursive=True))
-            inner = {id(getattr(layer, "_lookup_layer", None))
-                     for layer in layers}  # a TextVectorization's own
-            unset = [layer.name for layer in layers
-                     if type(layer).__name__ in _LOOKUPS
-                     and id(layer) not in inner
-                     and layer.get_config().get("output_mode") == "tf_idf"]
+            unset = [layer.name for layer in _lookup_layers(model)
+                     if layer.get_config().get("output_mode") == "tf_idf"]
             if not unset:
                 raise
             raise LegacyConfigError(

@@ -590,7 +590,8 @@ def _lookup_tables(directory, nodes, metadata, record):
     by_path = {path: name for path, name in layers.values()}
     saved_model = os.path.join(directory, "saved_model.pb")
     with open(saved_model, "rb") as f:
-        tables = wire.parse_lookup_tables(f.read(), path=saved_model)
+        tables = wire.parse_lookup_tables(f.read(), path=saved_model,
+                                          owners=set(layers))
     out = {}
     for table in tables:
         if table["owner"] not in layers or table["name"] != "lookup_table":

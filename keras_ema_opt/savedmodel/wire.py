@@ -597,7 +597,7 @@ def parse_tensor_proto(data, path=None):
     return values
 
 
-def parse_lookup_tables(data, path=None):
+def parse_lookup_tables(data, path=None, owners=None):
     """The keys and values each lookup table of a serialized
     ``tensorflow.SavedModel`` (``saved_model.pb``) is initialized with,
     where they are constants of the graph (an adapted tf_keras lookup
@@ -607,7 +607,9 @@ def parse_lookup_tables(data, path=None):
     function, that function's ``LookupTableImportV2`` node, the function
     arguments it imports, the constants bound to them, and their ``Const``
     nodes in the graph. A table initialized otherwise (from a file, or not
-    at all) is left out.
+    at all) is left out, and so is one not held by ``owners`` (node ids),
+    where they are given: a model's own tables of other kinds (a custom
+    layer's table of floats) are not read.
 
     Returns:
         A list of dicts, one per table::
@@ -635,8 +637,10 @@ def parse_lookup_tables(data, path=None):
              for n in objects.get("nodes", ())]
     children = [dict((name, nid) for nid, name in _children(n, path))
                 for n in nodes]
-    wanted = []  # (owner, name, table node, function name)
+    wanted = []  # (owner, name, function name)
     for owner, named in enumerate(children):
+        if owners is not None and owner not in owners:
+            continue
         for name, nid in named.items():
             if not 0 <= nid < len(nodes) or _object_kind(
                     objects["nodes"][nid], path) != "resource":

@@ -15,6 +15,7 @@ Usage: make_lookup_artifacts.py OUT_DIR. Writes OUT_DIR/
 - ``inverse/``: an adapted ``StringLookup(invert=True)`` alone;
 - ``same_names/``: two nested models, each with a ``StringLookup`` named
   ``"lookup"``;
+- the models ``_odd_cases`` names;
 - ``oracle.json``: each layer's vocabulary and its output on ``INPUTS``,
   and the first model's prediction.
 """
@@ -119,6 +120,8 @@ def make(out):
                                       nested("b")(inputs)])).save(
         os.path.join(out, "same_names"), save_format="tf")
 
+    odd = _odd_cases(out)
+
     layers = {"tokens": (tokens, "text"), "tf_idf": (tf_idf, "document"),
               "padded": (padded, "document"),
               "words": (words, "word"), "numbers": (numbers, "number"),
@@ -128,9 +131,71 @@ def make(out):
                "output": _plain(layer(np.array(INPUTS[key])))}
         for name, (layer, key) in layers.items()}
     oracle["prediction"] = net.predict(feed, verbose=0).tolist()
+    oracle["default_names"] = odd
     oracle["inputs"] = INPUTS
     with open(os.path.join(out, "oracle.json"), "w") as f:
         json.dump(oracle, f)
+
+
+class Scores(L.Layer):
+    """A layer of the user's holding a table of floats."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.table = tf.lookup.StaticHashTable(
+            tf.lookup.KeyValueTensorInitializer(
+                tf.constant(["y", "z"]), tf.constant([0.5, 2.0])), -1.0)
+
+    def call(self, x):
+        return self.table.lookup(x)
+
+
+def _odd_cases(out):
+    """Models the bridge must refuse or read around, each a SavedModel:
+    ``carriage`` (a token with a ``\\r``: Keras 3 reads vocabularies by
+    lines; with tf_keras, also a ``.keras`` file), ``default_names`` (a
+    ``StringLookup`` named ``string_lookup``, as Keras 3 names a
+    ``TextVectorization``'s inner one), ``float_table`` (an adapted
+    ``StringLookup`` beside a user's layer holding a table of floats),
+    ``from_file`` (a vocabulary read from a file when the layer was
+    built), ``first_in_sequential`` (a ``Sequential`` whose first layer is
+    a ``StringLookup``, which tf_keras builds for an int64 input).
+    Returns the vocabularies of ``default_names``' layers by name."""
+    def save(name, model, keras_file=False):
+        model.save(os.path.join(out, name), save_format="tf")
+        if keras_file and not tf.__version__.startswith("2.12."):
+            model.save(os.path.join(out, name + ".keras"))
+
+    text = k2.Input((1,), dtype="string")
+    carriage = L.StringLookup(name="carriage")
+    carriage.adapt(np.array(["cat\r", "dog", "cat\r"]))
+    save("carriage", k2.Model(text, carriage(text)), keras_file=True)
+
+    words = L.StringLookup(name="string_lookup")  # as tf_keras names one
+    words.adapt(WORDS)
+    tokens = L.TextVectorization(output_sequence_length=3)
+    tokens.adapt(CORPUS)
+    document = k2.Input((1,), dtype="string")
+    save("default_names", k2.Model([text, document],
+                                   [words(text), tokens(document)]))
+    named = {words.name: _vocabulary(words),
+             tokens.name: _vocabulary(tokens)}
+
+    words = L.StringLookup(name="words")
+    words.adapt(WORDS)
+    save("float_table", k2.Model(text, [words(text), Scores()(text)]))
+
+    path = os.path.join(out, "vocabulary.txt")
+    with open(path, "w") as f:
+        f.write("x\ny\nz\n")
+    from_file = L.StringLookup(name="from_file", vocabulary=path)
+    save("from_file", k2.Model(text, from_file(text)))
+
+    first = L.StringLookup(name="first", input_shape=(1,))
+    first.adapt(WORDS)
+    save("first_in_sequential", k2.Sequential([
+        first, L.Embedding(6, 2), L.Flatten()]))
+    return named
 
 
 if __name__ == "__main__":
