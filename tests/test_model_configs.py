@@ -468,7 +468,8 @@ def test_lookup_tables_read_around_what_is_not_theirs(lookup_artifacts,
     word (the layer had no vocabulary); a token with a `\\r` lost it in a
     `.keras` file, without a word (Keras 3 reads vocabulary files by
     lines, as the write-back check did); a vocabulary read from a file was
-    said to be adapted."""
+    said to be adapted. An asset named out of its folder (`../`) is a
+    LegacyFormatError."""
     import warnings
 
     from keras_ema_opt.errors import LegacyStateError
@@ -507,6 +508,20 @@ def test_lookup_tables_read_around_what_is_not_theirs(lookup_artifacts,
                            r"\(StringLookup\) was given: its vocabulary of 4 "
                            "entries was read from a file"):
             load_legacy(os.path.join(folder, "from_file"))
+        # An asset named out of its folder: the file's fault, named.
+        import zipfile
+
+        from keras_ema_opt.errors import LegacyFormatError
+
+        crafted = str(tmp_path / "crafted.keras")
+        with zipfile.ZipFile(os.path.join(folder, "words.keras")) as a, \
+                zipfile.ZipFile(crafted, "w") as b:
+            for name in a.namelist():
+                b.writestr(name, a.read(name))
+            b.writestr("assets/../outside.txt", b"x\n")
+        with pytest.raises(LegacyFormatError, match="its asset "
+                           "'assets/../outside.txt' names a place outside"):
+            load_legacy(crafted)
 
 
 @only_on("tensorflow")  # where the forward pass of this model fails

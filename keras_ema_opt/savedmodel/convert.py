@@ -16,6 +16,7 @@ from keras_ema_opt.compat import legacy_rules
 from keras_ema_opt.compat import losses as compat_losses
 from keras_ema_opt.compat import slots as slot_tables
 from keras_ema_opt.errors import LegacyConfigError
+from keras_ema_opt.errors import LegacyFormatError
 from keras_ema_opt.errors import LegacyStateError
 from keras_ema_opt.savedmodel.readers import LOOKUP_LAYERS as _LOOKUPS
 
@@ -306,7 +307,13 @@ def load_zip_assets(record, model):
                 if not name.startswith("assets/") or name.endswith("/"):
                     continue
                 inner = name[len("assets/"):]
-                path = written.get(inner)
+                try:
+                    path = written.get(inner)
+                except ValueError as e:  # a name out of the folder ("..")
+                    raise LegacyFormatError(
+                        f"{record.path}: its asset {name!r} names a place "
+                        f"outside its assets ({_first_line(e)}).",
+                        path=record.path, key=name) from e
                 got = None
                 if path is not None and os.path.isfile(path):
                     with open(path, "rb") as f:
