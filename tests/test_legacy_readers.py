@@ -762,17 +762,22 @@ def test_fuzz_lookup_tables():
 
     folder = made_by_script(os.path.join(
         ROOT, "tests", "scripts", "make_lookup_artifacts.py"), [])
-    with open(os.path.join(folder, "inverse", "saved_model.pb"), "rb") as f:
-        original = f.read()
-    assert [t["name"] for t in wire.parse_lookup_tables(original)] == [
-        "lookup_table"]
+    originals = []
+    # Tables of constants, and of files of the SavedModel's assets.
+    for name, kinds in (("inverse", ["keys"]),
+                        ("from_file", ["file", "file", "file"])):
+        with open(os.path.join(folder, name, "saved_model.pb"), "rb") as f:
+            originals.append(f.read())
+        assert [next(k for k in ("keys", "file") if k in t)
+                for t in wire.parse_lookup_tables(originals[-1])] == kinds
 
     @_fuzz_settings()
     @hypothesis.given(mutations=_mutations())
     def run(mutations):
-        try:
-            wire.parse_lookup_tables(_mutate(original, mutations))
-        except LegacyFormatError:
-            pass
+        for original in originals:
+            try:
+                wire.parse_lookup_tables(_mutate(original, mutations))
+            except LegacyFormatError:
+                pass
 
     run()

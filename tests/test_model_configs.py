@@ -467,9 +467,10 @@ def test_lookup_tables_read_around_what_is_not_theirs(lookup_artifacts,
     table whose layer the model given does not have was dropped without a
     word (the layer had no vocabulary); a token with a `\\r` lost it in a
     `.keras` file, without a word (Keras 3 reads vocabulary files by
-    lines, as the write-back check did); a vocabulary read from a file was
-    said to be adapted. An asset named out of its folder (`../`) is a
-    LegacyFormatError."""
+    lines, as the write-back check did). Vocabularies read from files
+    when the layers were built migrate from the SavedModel's assets/ (they
+    were refused, said to be adapted). An asset named out of its folder
+    (`../`) is a LegacyFormatError."""
     import warnings
 
     from keras_ema_opt.errors import LegacyStateError
@@ -504,14 +505,26 @@ def test_lookup_tables_read_around_what_is_not_theirs(lookup_artifacts,
             with pytest.raises(LegacyStateError, match=match):
                 migrate(os.path.join(folder, path), str(out))
             assert not out.exists()
-        with pytest.raises(LegacyConfigError, match="layer 'from_file' "
-                           r"\(StringLookup\) was given: its vocabulary of 4 "
-                           "entries was read from a file"):
-            load_legacy(os.path.join(folder, "from_file"))
-        # An asset named out of its folder: the file's fault, named.
-        import zipfile
+        # Vocabularies read from files when the layers were built: the
+        # SavedModel keeps the files in its assets/, whence they migrate
+        # (they were refused; an inverted layer and integers included).
+        model = load_legacy(os.path.join(folder, "from_file"))
+        for name, vocabulary in oracle["from_file"].items():
+            assert _entries(model.get_layer(name).get_vocabulary()) == (
+                vocabulary), name
+        import shutil
 
         from keras_ema_opt.errors import LegacyFormatError
+
+        damaged = str(tmp_path / "from_file")
+        shutil.copytree(os.path.join(folder, "from_file"), damaged)
+        os.remove(os.path.join(damaged, "assets", "numbers.txt"))
+        with pytest.raises(LegacyFormatError, match="the vocabulary of "
+                           "layer 'numbers_from_file', its asset "
+                           "'numbers.txt', cannot be read"):
+            load_legacy(damaged)
+        # An asset named out of its folder: the file's fault, named.
+        import zipfile
 
         crafted = str(tmp_path / "crafted.keras")
         with zipfile.ZipFile(os.path.join(folder, "words.keras")) as a, \

@@ -584,10 +584,11 @@ def _lookup_tables(directory, nodes, metadata, record):
             continue
         meta = _json(node["metadata"], metadata, node["node_path"])
         if meta.get("class_name") in LOOKUP_LAYERS:
-            layers[node["node_id"]] = (node["node_path"], meta.get("name"))
+            layers[node["node_id"]] = (node["node_path"], meta.get("name"),
+                                       meta.get("class_name"))
     if not layers:
         return {}
-    by_path = {path: name for path, name in layers.values()}
+    by_path = {path: name for path, name, _ in layers.values()}
     saved_model = os.path.join(directory, "saved_model.pb")
     with open(saved_model, "rb") as f:
         tables = wire.parse_lookup_tables(f.read(), path=saved_model,
@@ -596,10 +597,13 @@ def _lookup_tables(directory, nodes, metadata, record):
     for table in tables:
         if table["owner"] not in layers or table["name"] != "lookup_table":
             continue
-        path, name = layers[table["owner"]]
+        path, name, class_name = layers[table["owner"]]
         outer, _, attribute = path.rpartition(".")
         if attribute == "_lookup_layer" and outer in by_path:
             name = by_path[outer]
+        if "file" in table:
+            table.update(_file_table(directory, table, name,
+                                     class_name == "IntegerLookup"))
         key = path.partition(".")[2].replace(".", "/")
         idf = record.weights.pop(f"{key}/idf_weights", None)
         record.weights.pop(f"{key}/num_documents", None)
@@ -610,6 +614,48 @@ def _lookup_tables(directory, nodes, metadata, record):
         out[name] = None if name in out else (table["keys"],
                                               table["values"], idf)
     return out
+
+
+def _file_table(directory, table, layer, numbers):
+    """``{"keys", "values"}`` of a lookup table initialized from a file of
+    the SavedModel's ``assets/`` (a layer given ``vocabulary="vocab.txt"``
+    when it was built), read as ``tf.lookup.TextFileInitializer`` reads
+    it: a token a line (a ``\\r`` before the ``\\n`` dropped), at its
+    line number plus ``offset`` (the other way round for an inverted
+    layer); ``numbers``: tokens that are integers (``IntegerLookup``)."""
+    whole, number = -2, -1  # tf.lookup.TextFileIndex
+    path = os.path.join(directory, "assets", table["file"])
+    where = (f"{directory}: the vocabulary of layer {layer!r}, its asset "
+             f"{table['file']!r}")
+    if (table["key_index"], table["value_index"]) not in (
+            (whole, number), (number, whole)):
+        raise LegacyFormatError(
+            f"{where}, is read by columns (key_index "
+            f"{table['key_index']}, value_index {table['value_index']}); "
+            "accepted: a token a line, as Keras 2's lookup layers read "
+            "it.", path=directory, key=table["file"])
+    try:
+        with open(path, "rb") as f:
+            lines = f.read().split(b"\n")
+    except OSError as e:
+        raise LegacyFormatError(f"{where}, cannot be read ({e}).",
+                                path=directory, key=table["file"]) from e
+    if lines and not lines[-1]:
+        lines.pop()
+    lines = [line[:-1] if line.endswith(b"\r") else line for line in lines]
+    if table["vocab_size"] >= 0:
+        lines = lines[:table["vocab_size"]]
+    try:
+        tokens = [int(line) for line in lines] if numbers else lines
+    except ValueError as e:
+        raise LegacyFormatError(f"{where}, holds a line that is no "
+                                f"integer ({e}).", path=directory,
+                                key=table["file"]) from e
+    tokens = np.array(tokens, dtype=np.int64 if numbers else object)
+    indices = np.arange(len(lines), dtype=np.int64) + table["offset"]
+    if table["key_index"] == whole:
+        return {"keys": tokens, "values": indices}
+    return {"keys": indices, "values": tokens}
 
 
 def _tuples(obj):

@@ -516,11 +516,15 @@ def parse_saved_metadata(data, path=None):
 # ``_initialize`` function imports them from constants of the graph.
 
 _META_GRAPH_PARTS = {2: ("graph_def", "message"),
+                     6: ("asset_file_def", "repeated"),
                      7: ("object_graph_def", "message")}
+_ASSET_FILE_DEF = {2: ("filename", "string")}
+_SAVED_ASSET = {1: ("asset_file_def_index", "int32")}
 _OBJECT_GRAPH_PARTS = {1: ("nodes", "repeated"),
                        2: ("concrete_functions", "repeated")}
 _MAP_ENTRY = {1: ("key", "string"), 2: ("value", "message")}
 _SAVED_OBJECT_PARTS = {1: ("children", "repeated"),
+                       5: ("asset", "message"),
                        6: ("function", "message"),
                        9: ("constant", "message")}
 _SAVED_FUNCTION = {1: ("concrete_functions", "repeated")}
@@ -528,7 +532,8 @@ _SAVED_CONSTANT = {1: ("operation", "string")}
 _GRAPH_DEF = {1: ("node", "repeated"), 2: ("library", "message")}
 _NODE_DEF = {1: ("name", "string"), 2: ("op", "string"),
              3: ("input", "repeated"), 5: ("attr", "repeated")}
-_ATTR_VALUE = {8: ("tensor", "message")}
+_ATTR_VALUE = {2: ("s", "bytes"), 3: ("i", "int64"),
+               8: ("tensor", "message")}
 _LIBRARY = {1: ("function", "repeated")}
 _FUNCTION_DEF = {1: ("signature", "message"), 3: ("node_def", "repeated")}
 _OP_DEF = {1: ("name", "string"), 2: ("input_arg", "repeated")}
@@ -536,6 +541,10 @@ _ARG_DEF = {1: ("name", "string")}
 _TENSOR_PROTO = {1: ("dtype", "int32"), 2: ("tensor_shape", "message")}
 _DT_INT32, _DT_STRING, _DT_INT64 = 3, 7, 9
 _IMPORT_OPS = ("LookupTableImportV2", "LookupTableImport")
+_FILE_OPS = ("InitializeTableFromTextFileV2", "InitializeTableFromTextFile")
+# What a text-file initializer's attributes are when not written.
+_FILE_DEFAULTS = {"key_index": 0, "value_index": 0, "vocab_size": -1,
+                  "offset": 0, "delimiter": "\t"}
 
 
 def _varints(number, wire_type, value, path):
@@ -606,10 +615,13 @@ def parse_lookup_tables(data, path=None, owners=None):
     Follows the object graph by path: a resource node, its ``_initialize``
     function, that function's ``LookupTableImportV2`` node, the function
     arguments it imports, the constants bound to them, and their ``Const``
-    nodes in the graph. A table initialized otherwise (from a file, or not
-    at all) is left out, and so is one not held by ``owners`` (node ids),
-    where they are given: a model's own tables of other kinds (a custom
-    layer's table of floats) are not read.
+    nodes in the graph. A table initialized from a file of the
+    SavedModel's ``assets/`` (``InitializeTableFromTextFileV2``, a layer
+    given ``vocabulary="vocab.txt"``) is followed to that file's name and
+    the initializer's attributes. A table initialized otherwise is left
+    out, and so is one not held by ``owners`` (node ids), where they are
+    given: a model's own tables of other kinds (a custom layer's table of
+    floats) are not read.
 
     Returns:
         A list of dicts, one per table::
@@ -619,7 +631,11 @@ def parse_lookup_tables(data, path=None, owners=None):
              "keys": 1-D numpy array, "values": 1-D numpy array}
 
         Strings are ``bytes`` objects (an ``object`` array), integers
-        ``int64``.
+        ``int64``. A table initialized from a file has, instead of
+        ``keys`` and ``values``, ``"file"`` (its name in ``assets/``) and
+        ``"key_index"``, ``"value_index"``, ``"vocab_size"``,
+        ``"offset"``, ``"delimiter"`` (``tf.lookup.TextFileInitializer``'s
+        arguments; -2 a whole line, -1 its line number).
 
     Raises:
         LegacyFormatError: The bytes are not a valid message, or a
@@ -673,7 +689,24 @@ def parse_lookup_tables(data, path=None, owners=None):
     for owner, name, function in wanted:
         positions = imports.get(function)
         inputs = bound.get(function, [])
-        if positions is None or max(positions) >= len(inputs):
+        if positions is None or max(positions[0]) >= len(inputs):
+            continue
+        positions, attributes = positions
+        if attributes is not None:  # from a file of the assets
+            node = nodes[inputs[positions[0]]] if 0 <= inputs[
+                positions[0]] < len(nodes) else {}
+            if "asset" in node:
+                index = _message_fields(node["asset"], _SAVED_ASSET,
+                                        "SavedAsset", path).get(
+                    "asset_file_def_index", 0)
+                files = meta.get("asset_file_def", ())
+                if not 0 <= index < len(files):
+                    raise _error(f"lookup table {name!r} reads asset "
+                                 f"{index}, of {len(files)}", path)
+                out.append({"owner": owner, "name": name, **attributes,
+                            "file": _message_fields(
+                                files[index], _ASSET_FILE_DEF,
+                                "AssetFileDef", path).get("filename", "")})
             continue
         operations = []
         for position in positions:
@@ -688,9 +721,11 @@ def parse_lookup_tables(data, path=None, owners=None):
             out.append({"owner": owner, "name": name,
                         "operations": operations})
             constants.update(dict.fromkeys(operations))
-    if out:
+    if constants:
         _graph_constants(graph.get("node", ()), constants, path)
     for table in out:
+        if "file" in table:
+            continue
         keys, values = (constants[op] for op in table.pop("operations"))
         if keys is None or values is None:
             raise _error(f"the constants of lookup table {table['name']!r} "
@@ -700,9 +735,11 @@ def parse_lookup_tables(data, path=None, owners=None):
 
 
 def _imported_arguments(library, names, path):
-    """``{function name: (keys argument, values argument)}``: the
-    positions among the function's arguments of what its lookup-table
-    import reads, for the functions in ``names``."""
+    """``{function name: (positions, attributes)}`` for the functions in
+    ``names``: the positions among the function's arguments of what its
+    lookup-table import reads (the keys and the values), attributes
+    ``None``; or, for a table initialized from a text file, the position
+    of the file's name and the initializer's attributes."""
     out = {}
     for item in _message_fields(library, _LIBRARY, "FunctionDefLibrary",
                                 path).get("function", ()):
@@ -715,13 +752,33 @@ def _imported_arguments(library, names, path):
             "name", "") for a in signature.get("input_arg", ())]
         for node_bytes in function.get("node_def", ()):
             node = _message_fields(node_bytes, _NODE_DEF, "NodeDef", path)
-            if node.get("op") not in _IMPORT_OPS:
+            op = node.get("op")
+            if op not in _IMPORT_OPS + _FILE_OPS:
                 continue
             inputs = [_string(i, "NodeDef.input", path).split(":")[0]
                       for i in node.get("input", ())]
-            if len(inputs) >= 3 and all(i in arguments for i in inputs[1:3]):
-                out[signature["name"]] = tuple(arguments.index(i)
-                                               for i in inputs[1:3])
+            read = inputs[1:3] if op in _IMPORT_OPS else inputs[1:2]
+            if len(read) == (2 if op in _IMPORT_OPS else 1) and all(
+                    i in arguments for i in read):
+                out[signature["name"]] = (
+                    tuple(arguments.index(i) for i in read),
+                    None if op in _IMPORT_OPS else _file_attributes(
+                        node, path))
+    return out
+
+
+def _file_attributes(node, path):
+    """A text-file initializer's attributes (``_FILE_DEFAULTS``' keys)."""
+    out = dict(_FILE_DEFAULTS)
+    for entry in node.get("attr", ()):
+        attr = _message_fields(entry, _MAP_ENTRY, "NodeDef.attr", path)
+        key = attr.get("key")
+        if key not in out:
+            continue
+        value = _message_fields(attr.get("value", b""), _ATTR_VALUE,
+                                "AttrValue", path)
+        out[key] = (_string(value.get("s", b""), key, path)
+                    if key == "delimiter" else value.get("i", 0))
     return out
 
 

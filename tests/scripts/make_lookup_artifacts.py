@@ -131,7 +131,7 @@ def make(out):
                "output": _plain(layer(np.array(INPUTS[key])))}
         for name, (layer, key) in layers.items()}
     oracle["prediction"] = net.predict(feed, verbose=0).tolist()
-    oracle["default_names"] = odd
+    oracle.update(odd)
     oracle["inputs"] = INPUTS
     with open(os.path.join(out, "oracle.json"), "w") as f:
         json.dump(oracle, f)
@@ -157,10 +157,11 @@ def _odd_cases(out):
     ``StringLookup`` named ``string_lookup``, as Keras 3 names a
     ``TextVectorization``'s inner one), ``float_table`` (an adapted
     ``StringLookup`` beside a user's layer holding a table of floats),
-    ``from_file`` (a vocabulary read from a file when the layer was
-    built), ``first_in_sequential`` (a ``Sequential`` whose first layer is
+    ``from_file`` (vocabularies read from files when the layers were
+    built, which the SavedModel keeps in its ``assets/``), ``first_in_sequential`` (a ``Sequential`` whose first layer is
     a ``StringLookup``, which tf_keras builds for an int64 input).
-    Returns the vocabularies of ``default_names``' layers by name."""
+    Returns the vocabularies of ``default_names``' and ``from_file``'s
+    layers, by model and layer."""
     def save(name, model, keras_file=False):
         model.save(os.path.join(out, name), save_format="tf")
         if keras_file and not tf.__version__.startswith("2.12."):
@@ -178,18 +179,30 @@ def _odd_cases(out):
     document = k2.Input((1,), dtype="string")
     save("default_names", k2.Model([text, document],
                                    [words(text), tokens(document)]))
-    named = {words.name: _vocabulary(words),
-             tokens.name: _vocabulary(tokens)}
+    named = {"default_names": {words.name: _vocabulary(words),
+                               tokens.name: _vocabulary(tokens)}}
 
     words = L.StringLookup(name="words")
     words.adapt(WORDS)
     save("float_table", k2.Model(text, [words(text), Scores()(text)]))
 
     path = os.path.join(out, "vocabulary.txt")
-    with open(path, "w") as f:
-        f.write("x\ny\nz\n")
+    with open(path, "wb") as f:
+        f.write(b"x\ny\r\nz\n")  # a Windows line end in the middle
+    numbers_path = os.path.join(out, "numbers.txt")
+    with open(numbers_path, "w") as f:
+        f.write("7\n-3\n11\n")
     from_file = L.StringLookup(name="from_file", vocabulary=path)
-    save("from_file", k2.Model(text, from_file(text)))
+    numbers = L.IntegerLookup(name="numbers_from_file",
+                              vocabulary=numbers_path)
+    inverse = L.StringLookup(name="inverse_from_file", vocabulary=path,
+                             invert=True)
+    number = k2.Input((1,), dtype="int64")
+    index = k2.Input((1,), dtype="int64")
+    save("from_file", k2.Model([text, number, index], [
+        from_file(text), numbers(number), inverse(index)]))
+    named["from_file"] = {layer.name: _vocabulary(layer)
+                          for layer in (from_file, numbers, inverse)}
 
     first = L.StringLookup(name="first", input_shape=(1,))
     first.adapt(WORDS)
