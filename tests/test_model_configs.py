@@ -486,14 +486,21 @@ def test_lookup_tables_read_around_what_is_not_theirs(lookup_artifacts,
         assert _entries(model.get_layer(name).get_vocabulary()) == (
             vocabulary), name
 
+    index = keras.Input((1,), dtype="int64")
     with pytest.raises(LegacyConfigError, match="the vocabulary of its "
                        "lookup layer 'inverse' .3 entries. has no layer of "
                        r"that name in the Keras 3 model, whose lookup layers "
-                       r"are \['renamed'\]"):
-        index = keras.Input((1,), dtype="int64")
+                       r"\['renamed'\] have no vocabulary of the file"):
         load_legacy(os.path.join(folder, "inverse"), model=keras.Model(
             index, keras.layers.StringLookup(invert=True, name="renamed")(
                 index)))
+    # A model given without its preprocessing layers: said, not refused.
+    with pytest.warns(UserWarning, match="lookup layer 'inverse' .3 "
+                      "entries. has no layer of that name in the Keras 3 "
+                      "model, which has no other lookup layer: it is not "
+                      "migrated"):
+        load_legacy(os.path.join(folder, "inverse"),
+                    model=keras.Model(index, keras.layers.Identity()(index)))
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # not compiled, no optimizer

@@ -128,6 +128,8 @@ def set_vocabularies(record, model):
     layers = {}
     for layer in _lookup_layers(model):
         layers.setdefault(layer.name, []).append(layer)
+    # The model's lookup layers no table of the file is named for.
+    unnamed = sorted(set(layers) - set(record.vocabularies))
     for name, table in record.vocabularies.items():
         found = layers.get(name, [])
         if table is None or len(found) > 1:
@@ -135,13 +137,21 @@ def set_vocabularies(record, model):
                 f"{record.path}: two lookup layers are named {name!r} (in "
                 "nested models): their vocabularies cannot be placed by "
                 "name. Give the layers distinct names.")
-        if not found:
+        if found:
+            _set_vocabulary(record, found[0], *table)
+            continue
+        message = (
+            f"{record.path}: the vocabulary of its lookup layer {name!r} "
+            f"({len(table[0])} entries) has no layer of that name in the "
+            "Keras 3 model")
+        if unnamed:  # named otherwise there, as it seems
             raise LegacyConfigError(
-                f"{record.path}: the vocabulary of its lookup layer "
-                f"{name!r} ({len(table[0])} entries) has no layer of that "
-                "name in the Keras 3 model, whose lookup layers are "
-                f"{sorted(layers)}. Name the layer as in the file.")
-        _set_vocabulary(record, found[0], *table)
+                f"{message}, whose lookup layers {unnamed} have no "
+                "vocabulary of the file named for them. Name the layers as "
+                "in the file.")
+        # A model given without its preprocessing: said, not refused.
+        warnings.warn(f"{message}, which has no other lookup layer: it is "
+                      "not migrated.", stacklevel=3)
 
 
 def _lookup_layers(model):
