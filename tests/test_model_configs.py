@@ -497,19 +497,20 @@ def test_lookup_tables_read_around_what_is_not_theirs(lookup_artifacts,
     # A model given without its preprocessing layers: said, not refused.
     with pytest.warns(UserWarning, match="lookup layer 'inverse' .3 "
                       "entries. has no layer of that name in the Keras 3 "
-                      "model, which has no other lookup layer: it is not "
-                      "migrated"):
+                      "model, and no lookup layer there lacks a "
+                      "vocabulary: it is not migrated"):
         load_legacy(os.path.join(folder, "inverse"),
                     model=keras.Model(index, keras.layers.Identity()(index)))
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # not compiled, no optimizer
-        for path, match in (
-                ("carriage", "Keras 3 writes it as a file of lines"),
-                ("carriage.keras", r"entry 1 is b'cat\\r' in the file, "
-                                   "b'cat' in the model")):
+        for path, error, match in (
+                ("carriage", LegacyConfigError,
+                 r"entry 'cat\\r' at index 1 holds a line break"),
+                ("carriage.keras", LegacyStateError,
+                 r"entry 1 is b'cat\\r' in the file, b'cat' in the model")):
             out = tmp_path / "out.keras"
-            with pytest.raises(LegacyStateError, match=match):
+            with pytest.raises(error, match=match):
                 migrate(os.path.join(folder, path), str(out))
             assert not out.exists()
         # Vocabularies read from files when the layers were built: the
@@ -564,3 +565,47 @@ def test_a_forward_pass_that_fails_is_a_typed_error(lookup_artifacts,
                            "pass on zeros"):
             migrate(os.path.join(folder, "first_in_sequential"), str(out))
     assert not out.exists()
+
+
+@only_on("torch")  # the checks are the same on every backend
+def test_vocabularies_keras_3_cannot_hold_are_named(lookup_artifacts,
+                                                    tmp_path):
+    """From the second review: a nested model's file vocabulary was read
+    from the path its config keeps (refused in safe mode, with advice to
+    turn it off), where the SavedModel's assets/ holds it; an empty token
+    last was refused for a table "not found"; a file holding the
+    out-of-vocabulary token, bytes that are no text, a vocabulary past
+    `max_tokens` and a layer of another class were refused for reasons
+    that were not theirs, or not at all (a `TextVectorization` given for
+    a `StringLookup` took its vocabulary). Each is named now."""
+    import warnings
+
+    from keras_ema_opt.errors import LegacyStateError
+
+    folder, oracle = lookup_artifacts
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # not compiled, no optimizer
+        model = load_legacy(os.path.join(folder, "nested_file"))
+        layer = next(layer for layer in model._flatten_layers()
+                     if layer.name == "nested_file")
+        assert _entries(layer.get_vocabulary()) == oracle["nested_file"]
+        for path, match in (
+                ("empty_last", "entry '' at index 3 is empty and last"),
+                ("special_top", r"entry '\[UNK\]' at index 1 is the "
+                                "layer's own mask or out-of-vocabulary "
+                                "token"),
+                ("not_utf8", r"entry b'\\xff\\xfe' at index 2 is not UTF-8 "
+                             "text"),
+                ("past_max_tokens", "Build the layer with a max_tokens of "
+                                    "at least 5")):
+            with pytest.raises(LegacyConfigError, match=match):
+                load_legacy(os.path.join(folder, path))
+        with pytest.raises(LegacyStateError, match="entry 3 is b'' in the "
+                           "file, past the end in the model"):
+            load_legacy(os.path.join(folder, "empty_last.keras"))
+        index = keras.Input((1,), dtype="int64")
+        with pytest.raises(LegacyConfigError, match="the file's layer of "
+                           "that name is a StringLookup"):
+            load_legacy(os.path.join(folder, "inverse"), model=keras.Model(
+                index, keras.layers.IntegerLookup(invert=True,
+                                                  name="inverse")(index)))

@@ -564,13 +564,13 @@ def _verify_vocabularies(expected, actual):
 
     for (name, want), (_, got) in zip(vocabularies(expected),
                                       vocabularies(actual)):
-        if [str(t) for t in want] != [str(t) for t in got]:
+        want, got = [str(t) for t in want], [str(t) for t in got]
+        if want != got:
             raise LegacyStateError(
                 f"The vocabulary of layer {name!r} differs after writing "
-                f"and reloading the .keras file ({len(want)} entries "
-                f"before, {len(got)} after): Keras 3 writes it as a file "
-                "of lines and reads it back line by line, so a token with "
-                "a line break in it (\\r, \\u2028) does not survive it.")
+                "and reloading the .keras file: "
+                + convert.first_difference(want, "before", got, "after")
+                + ".")
 
 
 def _probe_inputs(model):

@@ -58,6 +58,7 @@ def build_model(record, custom_objects=None, safe_mode=True):
 
     config = model_configs.upgrade_model_config(
         json.loads(json.dumps(config)))
+    _vocabularies_from_tables(config, record.vocabularies)
     custom_objects = {**model_configs.kept_strings(config),
                       **(custom_objects or {})}
     try:
@@ -95,26 +96,43 @@ def build_model(record, custom_objects=None, safe_mode=True):
     return model
 
 
-def _adapted_sizes(config, out=None):
+def _vocabularies_from_tables(config, tables):
+    """A lookup layer whose vocabulary the file's tables give
+    (``record.vocabularies``) is built without the file path its config
+    may name: a nested model's config keeps the path the vocabulary was
+    read from on the machine that saved it, which Keras 3 would read (or
+    refuse to, in safe mode), where the SavedModel's own copy in its
+    ``assets/`` is the one read."""
+    for inner in _lookup_configs(config):
+        if isinstance(inner.get("vocabulary"), str) and tables.get(
+                inner.get("name")) is not None:
+            inner["vocabulary"] = None
+
+
+def _lookup_configs(config):
+    """The configs (``"config"``) of the lookup layers anywhere in a
+    Keras 2 model config, nested models' included."""
+    if isinstance(config, list):
+        for item in config:
+            yield from _lookup_configs(item)
+    elif isinstance(config, dict):
+        inner = config.get("config")
+        if config.get("class_name") in _LOOKUPS and isinstance(inner, dict):
+            yield inner
+        for value in config.values():
+            yield from _lookup_configs(value)
+
+
+def _adapted_sizes(config):
     """``{layer name: (vocabulary size, from a file)}`` of the lookup
     layers in a Keras 2 model config whose vocabulary is not in it:
     ``adapt`` made it, or it was read from a file (a SavedModel's config
     holds None for a file's vocabulary, and ``has_input_vocabulary``)."""
-    out = {} if out is None else out
-    if isinstance(config, list):
-        for item in config:
-            _adapted_sizes(item, out)
-    elif isinstance(config, dict):
-        inner = config.get("config")
-        if config.get("class_name") in _LOOKUPS and isinstance(inner, dict) \
-                and inner.get("vocabulary") is None and isinstance(
-                    inner.get("vocabulary_size"), int):
-            out[inner.get("name")] = (
-                inner["vocabulary_size"],
-                inner.get("has_input_vocabulary") is True)
-        for value in config.values():
-            _adapted_sizes(value, out)
-    return out
+    return {inner.get("name"): (inner["vocabulary_size"],
+                                inner.get("has_input_vocabulary") is True)
+            for inner in _lookup_configs(config)
+            if inner.get("vocabulary") is None
+            and isinstance(inner.get("vocabulary_size"), int)}
 
 
 def set_vocabularies(record, model):
@@ -128,8 +146,12 @@ def set_vocabularies(record, model):
     layers = {}
     for layer in _lookup_layers(model):
         layers.setdefault(layer.name, []).append(layer)
-    # The model's lookup layers no table of the file is named for.
-    unnamed = sorted(set(layers) - set(record.vocabularies))
+    # The model's lookup layers without a vocabulary that no table of the
+    # file is named for (one with its own is not the file's, renamed).
+    unnamed = sorted(
+        name for name in set(layers) - set(record.vocabularies)
+        if not any(layer.get_vocabulary(include_special_tokens=False)
+                   for layer in layers[name]))
     for name, table in record.vocabularies.items():
         found = layers.get(name, [])
         if table is None or len(found) > 1:
@@ -149,9 +171,10 @@ def set_vocabularies(record, model):
                 f"{message}, whose lookup layers {unnamed} have no "
                 "vocabulary of the file named for them. Name the layers as "
                 "in the file.")
-        # A model given without its preprocessing: said, not refused.
-        warnings.warn(f"{message}, which has no other lookup layer: it is "
-                      "not migrated.", stacklevel=3)
+        # A model given without this layer (its preprocessing left out):
+        # said, not refused.
+        warnings.warn(f"{message}, and no lookup layer there lacks a "
+                      "vocabulary: it is not migrated.", stacklevel=3)
 
 
 def _lookup_layers(model):
@@ -166,15 +189,24 @@ def _lookup_layers(model):
         or callable(getattr(layer, "set_vocabulary", None)))]
 
 
-def _set_vocabulary(record, layer, keys, values, idf=None):
+def _set_vocabulary(record, layer, keys, values, idf=None,
+                    class_name=None):
     """One layer's vocabulary from its Keras 2 lookup table (token to
     index; index to token where the layer inverts), and a ``"tf_idf"``
     layer's idf weights, each at its Keras 2 index (the special tokens'
-    included: Keras 3 would make up its own for them)."""
+    included: Keras 3 would make up its own for them). ``class_name``:
+    the Keras 2 layer's, which the layer's class (or one it derives from)
+    must have."""
     invert = bool(getattr(layer, "invert", False))
     indices, tokens = (keys, values) if invert else (values, keys)
     where = (f"{record.path}: layer {layer.name!r} "
              f"({type(layer).__name__})")
+    if class_name is not None and class_name not in {
+            c.__name__ for c in type(layer).__mro__}:
+        raise LegacyConfigError(
+            f"{where}: the file's layer of that name is a {class_name}, "
+            "whose vocabulary this layer cannot take. Give the model's "
+            f"layer the file's class, {class_name}.")
     if indices.dtype.kind not in "iu" or len(set(indices.tolist())) != len(
             indices):
         raise LegacyConfigError(
@@ -185,6 +217,7 @@ def _set_vocabulary(record, layer, keys, values, idf=None):
     order = np.argsort(indices, kind="stable")
     indices = indices[order]
     tokens = [_token(t) for t in tokens[order]]
+    _check_tokens(where, layer, tokens, indices)
     tf_idf = layer.get_config().get("output_mode") == "tf_idf"
     if tf_idf and idf is None:
         raise LegacyConfigError(
@@ -202,10 +235,15 @@ def _set_vocabulary(record, layer, keys, values, idf=None):
             layer.set_vocabulary(full, idf_weights=np.asarray(
                 idf[:len(full)], "float32"))
     except (ValueError, TypeError) as e:
+        advice = (" Build the layer with a max_tokens of at least "
+                  f"{int(indices[-1]) + 1} and pass the model (`model=` / "
+                  "`--model module:function`): Keras 2 kept a vocabulary "
+                  "read from a file past its max_tokens."
+                  if "max_tokens" in str(e) else "")
         raise LegacyConfigError(
             f"{where}: its vocabulary of {len(tokens)} entries does not go "
             f"into the Keras 3 layer ({type(e).__name__}: "
-            f"{_first_line(e)}).") from e
+            f"{_first_line(e)}).{advice}") from e
     vocabulary = [_token(t) for t in layer.get_vocabulary()]
     wrong = next((
         (int(i), t) for i, t in zip(indices, tokens)
@@ -217,6 +255,44 @@ def _set_vocabulary(record, layer, keys, values, idf=None):
             f"{where}: Keras 2 gave {token!r} index {index}, the Keras 3 "
             f"layer gives that index {got!r} (its mask token or "
             "out-of-vocabulary indices differ from the file's).")
+
+
+def _check_tokens(where, layer, tokens, indices):
+    """Refuse, naming it, a token the Keras 3 layer cannot hold at its
+    Keras 2 index: bytes that are not UTF-8 (Keras 3's lookup layers take
+    text), one that Keras 3's vocabulary file would not give back (it
+    writes a token a line and reads them with ``str.splitlines``: a line
+    break inside, an empty token last), or the layer's own mask or
+    out-of-vocabulary token among the entries (Keras 3 takes those as its
+    special tokens only, at the start)."""
+    config = layer.get_config()
+    reserved = {config.get("mask_token"), config.get("oov_token")} - {None}
+    if type(layer).__name__ == "TextVectorization":
+        reserved = {"", "[UNK]"}
+    last = len(tokens) - 1
+    for i, (token, index) in enumerate(zip(tokens, indices)):
+        if isinstance(token, bytes):
+            reason = ("is not UTF-8 text, and Keras 3's lookup layers take "
+                      "text tokens only")
+        elif isinstance(token, str) and (
+                ("x" + token + "x").splitlines() != ["x" + token + "x"]):
+            reason = ("holds a line break (Keras 3 writes a vocabulary a "
+                      "token a line and reads it back with "
+                      "str.splitlines), so it would not survive the .keras "
+                      "file")
+        elif token == "" and i == last:
+            reason = ("is empty and last (Keras 3 drops the empty lines at "
+                      "the end of its vocabulary file), so it would not "
+                      "survive the .keras file")
+        elif token in reserved:
+            reason = ("is the layer's own mask or out-of-vocabulary token, "
+                      "which Keras 3 takes as a special token only, at the "
+                      "start, not as an entry")
+        else:
+            continue
+        raise LegacyConfigError(
+            f"{where}: its Keras 2 vocabulary entry {token!r} at index "
+            f"{int(index)} {reason}.")
 
 
 def _token(token):
@@ -252,6 +328,8 @@ def check_vocabularies(record, model):
         kept = ("is not in a config (a SavedModel keeps it in a lookup "
                 "table of its graph, a .keras file in its assets)"
                 if record.format == "config" else
+                "is in the file's assets, which did not give it to the "
+                "layer" if record.format == "keras_v2_zip" else
                 "was read from a file when it was built, which the "
                 "SavedModel keeps in its assets/ folder: it is not "
                 "migrated" if from_file else
@@ -337,31 +415,37 @@ def load_zip_assets(record, model):
                         "`vocabulary=`, keeps its own: build it without "
                         "one).")
                 if got != want:
-                    at = next((i for i, (a, b) in enumerate(zip(got, want))
-                               if a != b), min(len(got), len(want)))
                     raise LegacyStateError(
                         f"{record.path}: its asset {inner} is not what the "
-                        f"Keras 3 model holds after loading it: entry {at} "
-                        "is "
-                        + (repr(want[at]) if at < len(want) else "past the "
-                           "end") + " in the file, "
-                        + (repr(got[at]) if at < len(got) else "past the "
-                           "end") + f" in the model ({len(want)} and "
-                        f"{len(got)} entries). Keras 3 reads a vocabulary "
-                        "file line by line, so a token with a line break "
-                        "in it (\\r, \\u2028) does not survive it.")
+                        "Keras 3 model holds after loading it: "
+                        + first_difference(want, "in the file", got,
+                                           "in the model") + ".")
         finally:
             written.close()
 
 
+def first_difference(want, want_where, got, got_where):
+    """Words for where two vocabularies first differ, and why Keras 3's
+    vocabulary file can make them differ."""
+    at = next((i for i, (a, b) in enumerate(zip(want, got)) if a != b),
+              min(len(want), len(got)))
+
+    def entry(tokens):
+        return repr(tokens[at]) if at < len(tokens) else "past the end"
+
+    return (f"entry {at} is {entry(want)} {want_where}, {entry(got)} "
+            f"{got_where} ({len(want)} and {len(got)} entries). Keras 3 "
+            "writes a vocabulary a token a line and reads it back with "
+            "str.splitlines, so a token with a line break in it (\\r, "
+            "\\x0b, \\x85, \\u2028, ...) or an empty token last does not "
+            "survive it")
+
+
 def _lines(data):
-    """The entries of a vocabulary file's bytes as tf_keras wrote them:
-    split at each ``\\n`` only (a token may hold a ``\\r``), the empty
-    ones at the end left out."""
-    lines = data.split(b"\n")
-    while lines and not lines[-1]:
-        lines.pop()
-    return lines
+    """The entries of a vocabulary file's bytes as tf_keras and Keras 3
+    write them, ``"\\n".join(tokens)``: split at each ``\\n`` only (a
+    token may hold a ``\\r``), an empty last token kept."""
+    return data.split(b"\n")
 
 
 def _first_line(error):

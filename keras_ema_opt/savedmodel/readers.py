@@ -568,11 +568,11 @@ LOOKUP_LAYERS = ("TextVectorization", "StringLookup", "IntegerLookup")
 
 
 def _lookup_tables(directory, nodes, metadata, record):
-    """``{layer name: (keys, values, idf weights or None)}``: the lookup
-    tables of the SavedModel's lookup layers (an adapted layer's
-    vocabulary lives there, not in a variable or the config), by the layer
-    whose object holds each: a ``TextVectorization``'s table is held by
-    its inner ``_lookup_layer``. A ``"tf_idf"`` layer's ``idf_weights``
+    """``{layer name: (keys, values, idf weights or None, class name)}``:
+    the lookup tables of the SavedModel's lookup layers (an adapted
+    layer's vocabulary lives there, not in a variable or the config), by
+    the layer whose object holds each: a ``TextVectorization``'s table is
+    held by its inner ``_lookup_layer``. A ``"tf_idf"`` layer's ``idf_weights``
     variable goes with its table, out of ``record.weights``, with its
     ``num_documents`` (what ``adapt`` counted, which Keras 3 layers do
     not keep)."""
@@ -588,7 +588,8 @@ def _lookup_tables(directory, nodes, metadata, record):
                                        meta.get("class_name"))
     if not layers:
         return {}
-    by_path = {path: name for path, name, _ in layers.values()}
+    by_path = {path: (name, class_name)
+               for path, name, class_name in layers.values()}
     saved_model = os.path.join(directory, "saved_model.pb")
     with open(saved_model, "rb") as f:
         tables = wire.parse_lookup_tables(f.read(), path=saved_model,
@@ -598,12 +599,12 @@ def _lookup_tables(directory, nodes, metadata, record):
         if table["owner"] not in layers or table["name"] != "lookup_table":
             continue
         path, name, class_name = layers[table["owner"]]
+        numbers = class_name == "IntegerLookup"
         outer, _, attribute = path.rpartition(".")
         if attribute == "_lookup_layer" and outer in by_path:
-            name = by_path[outer]
+            name, class_name = by_path[outer]
         if "file" in table:
-            table.update(_file_table(directory, table, name,
-                                     class_name == "IntegerLookup"))
+            table.update(_file_table(directory, table, name, numbers))
         key = path.partition(".")[2].replace(".", "/")
         idf = record.weights.pop(f"{key}/idf_weights", None)
         record.weights.pop(f"{key}/num_documents", None)
@@ -611,8 +612,8 @@ def _lookup_tables(directory, nodes, metadata, record):
             record.names.pop(popped, None)
         # Two lookup layers of one name (in two nested models): neither is
         # placed by name (None: ``convert.set_vocabularies`` refuses).
-        out[name] = None if name in out else (table["keys"],
-                                              table["values"], idf)
+        out[name] = None if name in out else (
+            table["keys"], table["values"], idf, class_name)
     return out
 
 

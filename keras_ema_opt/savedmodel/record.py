@@ -104,12 +104,12 @@ class LegacyRecord:
         names: ``{key: Keras 2 variable name}`` (``d1/kernel``), used to
             place the weights in a Keras 3 model.
         optimizer: :class:`OptimizerState` or ``None``.
-        vocabularies: ``{layer name: (keys, values, idf_weights)}`` of a
-            SavedModel's adapted lookup layers (``TextVectorization``,
-            ``StringLookup``, ``IntegerLookup``): the contents of each
-            one's lookup table, strings as ``bytes``, and the idf weights
-            of a ``"tf_idf"`` layer (else ``None``); ``None`` for a name
-            two such layers share.
+        vocabularies: ``{layer name: (keys, values, idf_weights,
+            class_name)}`` of a SavedModel's lookup layers
+            (``TextVectorization``, ``StringLookup``, ``IntegerLookup``):
+            the contents of each one's lookup table, strings as ``bytes``,
+            the idf weights of a ``"tf_idf"`` layer (else ``None``) and
+            the Keras 2 class; ``None`` for a name two such layers share.
         warnings: What the artifact lacks or what is not exact, in words.
 
     Example (``keras_ema_opt.savedmodel.inspect`` returns one):

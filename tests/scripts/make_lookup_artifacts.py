@@ -158,7 +158,13 @@ def _odd_cases(out):
     ``TextVectorization``'s inner one), ``float_table`` (an adapted
     ``StringLookup`` beside a user's layer holding a table of floats),
     ``from_file`` (vocabularies read from files when the layers were
-    built, which the SavedModel keeps in its ``assets/``), ``first_in_sequential`` (a ``Sequential`` whose first layer is
+    built, which the SavedModel keeps in its ``assets/``; ``nested_file``
+    in a nested model, whose config keeps the file's path),
+    ``empty_last`` (an empty token last, which Keras 3's vocabulary file
+    drops; with tf_keras, also a ``.keras`` file), ``special_top`` (a
+    vocabulary file that holds the out-of-vocabulary token), ``not_utf8``
+    (bytes that are no text), ``past_max_tokens`` (a vocabulary file
+    longer than ``max_tokens``, which tf_keras took), ``first_in_sequential`` (a ``Sequential`` whose first layer is
     a ``StringLookup``, which tf_keras builds for an int64 input).
     Returns the vocabularies of ``default_names``' and ``from_file``'s
     layers, by model and layer."""
@@ -203,6 +209,27 @@ def _odd_cases(out):
         from_file(text), numbers(number), inverse(index)]))
     named["from_file"] = {layer.name: _vocabulary(layer)
                           for layer in (from_file, numbers, inverse)}
+
+    # A nested model's config keeps the path its vocabulary was read from.
+    inner = k2.Input((1,), dtype="string")
+    nested = k2.Model(inner, L.StringLookup(name="nested_file",
+                                            vocabulary=path)(inner))
+    save("nested_file", k2.Model(text, nested(text)))
+    named["nested_file"] = _vocabulary(nested.layers[-1])
+
+    # Vocabularies Keras 3 cannot hold as Keras 2 did, one model each.
+    empty_last = L.StringLookup(name="empty_last")
+    empty_last.adapt(np.array(["a", "a", "b", "b", ""], dtype=object))
+    save("empty_last", k2.Model(text, empty_last(text)), keras_file=True)
+    for name, lines, kwargs in (
+            ("special_top", b"[UNK]\na\nb\n", {}),
+            ("not_utf8", b"a\n\xff\xfe\n", {}),
+            ("past_max_tokens", b"a\nb\nc\nd\n", {"max_tokens": 3})):
+        file = os.path.join(out, name + ".txt")
+        with open(file, "wb") as f:
+            f.write(lines)
+        layer = L.StringLookup(name=name, vocabulary=file, **kwargs)
+        save(name, k2.Model(text, layer(text)))
 
     first = L.StringLookup(name="first", input_shape=(1,))
     first.adapt(WORDS)
