@@ -591,9 +591,9 @@ def test_vocabularies_keras_3_cannot_hold_are_named(lookup_artifacts,
         assert _entries(layer.get_vocabulary()) == oracle["nested_file"]
         for path, match in (
                 ("empty_last", "entry '' at index 3 is empty and last"),
-                ("special_top", r"entry '\[UNK\]' at index 1 is the "
-                                "layer's own mask or out-of-vocabulary "
-                                "token"),
+                ("special_top", r"vocabulary starts with the entries "
+                                r"\['\[UNK\]'\], which Keras 3 takes for "
+                                "the layer's own"),
                 ("not_utf8", r"entry b'\\xff\\xfe' at index 2 is not UTF-8 "
                              "text"),
                 ("past_max_tokens", "Build the layer with a max_tokens of "
@@ -603,7 +603,28 @@ def test_vocabularies_keras_3_cannot_hold_are_named(lookup_artifacts,
         with pytest.raises(LegacyStateError, match="entry 3 is b'' in the "
                            "file, past the end in the model"):
             load_legacy(os.path.join(folder, "empty_last.keras"))
+        # From the third review: the out-of-vocabulary token as an entry
+        # of a list (no special token there) was refused as one.
+        model = load_legacy(os.path.join(folder, "unk_entries"))
+        for name, vocabulary in oracle["unk_entries"].items():
+            assert _entries(model.get_layer(name).get_vocabulary()) == (
+                vocabulary), name
         index = keras.Input((1,), dtype="int64")
+
+        class OnlySets(keras.layers.Layer):  # a user's, no get_vocabulary
+            def set_vocabulary(self, vocabulary):
+                pass
+
+            def call(self, x):
+                return x
+
+        # A user's layer with set_vocabulary only, beside the file's: its
+        # vocabulary was asked for (AttributeError).
+        model = load_legacy(os.path.join(folder, "inverse"), model=keras.Model(
+            index, [keras.layers.StringLookup(invert=True, name="inverse")(
+                index), OnlySets(name="own")(index)]))
+        assert _entries(model.get_layer("inverse").get_vocabulary()) == (
+            oracle["inverse"]["vocabulary"])
         with pytest.raises(LegacyConfigError, match="the file's layer of "
                            "that name is a StringLookup"):
             load_legacy(os.path.join(folder, "inverse"), model=keras.Model(

@@ -150,8 +150,7 @@ def set_vocabularies(record, model):
     # file is named for (one with its own is not the file's, renamed).
     unnamed = sorted(
         name for name in set(layers) - set(record.vocabularies)
-        if not any(layer.get_vocabulary(include_special_tokens=False)
-                   for layer in layers[name]))
+        if not any(_own_vocabulary(layer) for layer in layers[name]))
     for name, table in record.vocabularies.items():
         found = layers.get(name, [])
         if table is None or len(found) > 1:
@@ -175,6 +174,19 @@ def set_vocabularies(record, model):
         # said, not refused.
         warnings.warn(f"{message}, and no lookup layer there lacks a "
                       "vocabulary: it is not migrated.", stacklevel=3)
+
+
+def _own_vocabulary(layer):
+    """The entries of a lookup layer's vocabulary, its special tokens left
+    out; none where the layer cannot say (a user's layer with
+    ``set_vocabulary`` only)."""
+    get = getattr(layer, "get_vocabulary", None)
+    if not callable(get):
+        return []
+    try:
+        return list(get(include_special_tokens=False))
+    except TypeError:  # a get_vocabulary of its own, without the argument
+        return []
 
 
 def _lookup_layers(model):
@@ -266,9 +278,25 @@ def _check_tokens(where, layer, tokens, indices):
     out-of-vocabulary token among the entries (Keras 3 takes those as its
     special tokens only, at the start)."""
     config = layer.get_config()
-    reserved = {config.get("mask_token"), config.get("oov_token")} - {None}
-    if type(layer).__name__ == "TextVectorization":
-        reserved = {"", "[UNK]"}
+    mask, oov = config.get("mask_token"), config.get("oov_token")
+    num_oov = config.get("num_oov_indices", 1)
+    if "TextVectorization" in {c.__name__ for c in type(layer).__mro__}:
+        # (Its inner lookup layer's, which its config does not list.)
+        mask = "" if config.get("output_mode") == "int" else None
+        oov, num_oov = "[UNK]", 1
+    # Keras 3 refuses its mask token among the entries, and its
+    # out-of-vocabulary token where the layer inverts; where the entries
+    # start as its special tokens do, it takes them for those.
+    reserved = {mask} - {None}
+    if config.get("invert"):
+        reserved.add(oov)
+    special = ([] if mask is None else [mask]) + [oov] * int(num_oov or 0)
+    if special and list(tokens[:len(special)]) == special:
+        raise LegacyConfigError(
+            f"{where}: its Keras 2 vocabulary starts with the entries "
+            f"{special}, which Keras 3 takes for the layer's own mask and "
+            "out-of-vocabulary tokens, not as entries (a vocabulary file "
+            "written from get_vocabulary(), say).")
     last = len(tokens) - 1
     for i, (token, index) in enumerate(zip(tokens, indices)):
         if isinstance(token, bytes):
@@ -285,9 +313,9 @@ def _check_tokens(where, layer, tokens, indices):
                       "the end of its vocabulary file), so it would not "
                       "survive the .keras file")
         elif token in reserved:
-            reason = ("is the layer's own mask or out-of-vocabulary token, "
-                      "which Keras 3 takes as a special token only, at the "
-                      "start, not as an entry")
+            reason = ("is the layer's own mask token (or, as it inverts, "
+                      "out-of-vocabulary token), which Keras 3 refuses as "
+                      "an entry")
         else:
             continue
         raise LegacyConfigError(

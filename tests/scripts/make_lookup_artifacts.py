@@ -160,7 +160,8 @@ def _odd_cases(out):
     ``from_file`` (vocabularies read from files when the layers were
     built, which the SavedModel keeps in its ``assets/``; ``nested_file``
     in a nested model, whose config keeps the file's path),
-    ``empty_last`` (an empty token last, which Keras 3's vocabulary file
+    ``unk_entries`` (the out-of-vocabulary token as an entry of a list,
+    which is no special token there), ``empty_last`` (an empty token last, which Keras 3's vocabulary file
     drops; with tf_keras, also a ``.keras`` file), ``special_top`` (a
     vocabulary file that holds the out-of-vocabulary token), ``not_utf8``
     (bytes that are no text), ``past_max_tokens`` (a vocabulary file
@@ -216,6 +217,17 @@ def _odd_cases(out):
                                             vocabulary=path)(inner))
     save("nested_file", k2.Model(text, nested(text)))
     named["nested_file"] = _vocabulary(nested.layers[-1])
+
+    # The out-of-vocabulary token as an ordinary entry of a list, which
+    # both Keras take where the layer does not invert.
+    unk_words = L.StringLookup(name="unk_words", vocabulary=["a", "[UNK]",
+                                                             "b"])
+    unk_numbers = L.IntegerLookup(name="unk_numbers", vocabulary=[5, -1, 7])
+    number = k2.Input((1,), dtype="int64")
+    save("unk_entries", k2.Model([text, number], [unk_words(text),
+                                                  unk_numbers(number)]))
+    named["unk_entries"] = {layer.name: _vocabulary(layer)
+                            for layer in (unk_words, unk_numbers)}
 
     # Vocabularies Keras 3 cannot hold as Keras 2 did, one model each.
     empty_last = L.StringLookup(name="empty_last")
