@@ -606,10 +606,10 @@ def _lookup_tables(directory, nodes, metadata, record):
         if "file" in table:
             table.update(_file_table(directory, table, name, numbers))
         key = path.partition(".")[2].replace(".", "/")
-        idf = record.weights.pop(f"{key}/idf_weights", None)
-        record.weights.pop(f"{key}/num_documents", None)
-        for popped in (f"{key}/idf_weights", f"{key}/num_documents"):
-            record.names.pop(popped, None)
+        idf = record.weights.get(f"{key}/idf_weights")
+        for taken in (f"{key}/idf_weights", f"{key}/num_documents"):
+            record.weights.pop(taken, None)
+            record.names.pop(taken, None)
         # Two lookup layers of one name (in two nested models): neither is
         # placed by name (None: ``convert.set_vocabularies`` refuses).
         out[name] = None if name in out else (
