@@ -140,6 +140,13 @@ def _scalar_value(value):
     return value
 
 
+def _float_value(value):
+    """A real number, 0-d tensor or variable as the Python float it holds
+    (its value now); anything else unchanged, for the checks to name."""
+    value = _scalar_value(value)
+    return float(value) if _is_real_number(value) else value
+
+
 # Arguments of Keras' base optimizer that default to None and are a
 # number where given.
 _OPTIONAL_NUMBERS = ("weight_decay",) + _CLIP_ARGS
@@ -627,6 +634,12 @@ class Optimizer(backend.OptimizerHooks, keras.optimizers.Optimizer):
                      _accepted_arguments(signature, type(self), keras_init))
         defaults = _defaults(signature)
         _check_numbers(cls_name, arguments, defaults, keras_init)
+        if "momentum" in arguments and isinstance(
+                self, keras.optimizers.SGD):
+            # Keras 3's SGD takes only a Python float (`isinstance(momentum,
+            # float)`); Keras 2 took an int (`momentum=0` is in its
+            # configs), a NumPy scalar, a 0-d tensor or a variable.
+            arguments["momentum"] = _float_value(arguments["momentum"])
         value = lambda k: arguments.get(k, defaults.get(k))  # noqa: E731
         decay, transformers, aggregator = _take_legacy_arguments(
             arguments, {k: value(k) for k in _CLIP_ARGS}
@@ -866,7 +879,19 @@ class Optimizer(backend.OptimizerHooks, keras.optimizers.Optimizer):
 
     @learning_rate.setter
     def learning_rate(self, learning_rate):
+        given = learning_rate
         learning_rate = _learning_rate(learning_rate)
+        if not (isinstance(learning_rate, float) or callable(learning_rate)
+                or _is_number_like(learning_rate)):  # a traced 0-d tensor
+            # What the constructor refuses (Keras' own setter assigned a
+            # string, None or a list to its variable: an untyped error
+            # from the backend, or on JAX "0.5" as 0.5, True as 1.0).
+            # A 0-d tensor left symbolic (in a `tf.function`) is assigned.
+            raise InvalidArgumentTypeError(
+                f"{type(self).__name__}: `learning_rate` must be a float, a "
+                "0-d tensor or variable, a LearningRateSchedule or a "
+                f"callable with no arguments. Received: learning_rate="
+                f"{given!r}")
         keras.optimizers.Optimizer.learning_rate.fset(self, learning_rate)
 
     def _get_current_learning_rate(self):

@@ -195,6 +195,41 @@ def test_numbers_in_every_form_keras_takes_are_accepted(beta_1):
     np.testing.assert_allclose(to_numpy(var), [0.9], rtol=1e-5)
 
 
+@pytest.mark.parametrize("momentum", [
+    0, 1, np.float32(0.5), np.array(0.5), keras.Variable(0.5, trainable=False),
+    keras.ops.convert_to_tensor(np.float32(0.5))], ids=[
+        "int-0", "int-1", "numpy-scalar", "0-d-array", "variable", "tensor"])
+def test_sgd_momentum_in_every_form_keras_2_took(momentum):
+    # Keras 3's SGD takes only a Python float; tf_keras took these, and
+    # wrote `"momentum": 0` into the configs of `SGD(0.01, momentum=0)`.
+    # Two steps of gradient 1 from 1.0, learning rate 0.1: the velocity
+    # is -0.1, then -0.1 * (1 + m).
+    m = float(np.asarray(keras.ops.convert_to_numpy(momentum)))
+    opt = keras_ema_opt.SGD(learning_rate=0.1, momentum=momentum)
+    assert type(opt.momentum) is float and opt.momentum == m
+    var = _var([1.0])
+    _step(opt, [var])
+    _step(opt, [var])
+    np.testing.assert_allclose(to_numpy(var), [1.0 - 0.1 - 0.1 * (1 + m)],
+                               rtol=1e-6)
+    again = keras_ema_opt.SGD.from_config(
+        dict(opt.get_config(), momentum=int(m)) if m in (0, 1)
+        else opt.get_config())
+    assert again.momentum == m
+
+
+def test_sgd_config_tf_keras_writes_with_an_int_momentum_loads():
+    # tf_keras keeps `momentum` as given: `SGD(0.01, momentum=0)` writes
+    # an int, which Keras 3's SGD refused (and with it every `.keras` and
+    # `.h5` file of such a model, through `load_legacy`).
+    tf_keras = pytest.importorskip("tf_keras")
+    config = tf_keras.optimizers.serialize(
+        tf_keras.optimizers.SGD(0.01, momentum=0))
+    assert type(config["config"]["momentum"]) is int
+    opt = keras_ema_opt.deserialize(config)
+    assert isinstance(opt, keras_ema_opt.SGD) and opt.momentum == 0.0
+
+
 def test_ema_arguments_are_only_checked_with_use_ema():
     # Keras 2 validates them only when `use_ema=True`.
     opt = keras_ema_opt.SGD(ema_momentum=3.0, ema_overwrite_frequency=0)
@@ -417,6 +452,26 @@ def test_learning_rate_and_lr_alias():
     assert float(to_numpy(opt.lr)) == pytest.approx(0.2)
     opt.lr = np.float32(0.3)
     assert float(to_numpy(opt.learning_rate)) == pytest.approx(0.3)
+
+
+@pytest.mark.parametrize("rate", [
+    "0.5", "abc", None, True, [0.1], np.array([0.1, 0.2], "float32")],
+    ids=["numeric-string", "string", "none", "bool", "list", "array"])
+def test_learning_rate_setter_refuses_what_the_constructor_refuses(rate):
+    # Keras' own setter assigned these to its variable: on JAX "0.5"
+    # trained at 0.5 and True at 1.0; elsewhere an untyped error from the
+    # backend, of a different class on each.
+    with pytest.raises(InvalidArgumentTypeError, match=re.escape(
+            f"Received: learning_rate={rate!r}")):
+        keras_ema_opt.SGD(learning_rate=rate)
+    opt = keras_ema_opt.SGD(learning_rate=0.1)
+    for alias in ("learning_rate", "lr"):
+        with pytest.raises(InvalidArgumentTypeError, match=re.escape(
+                f"Received: learning_rate={rate!r}")):
+            setattr(opt, alias, rate)
+    var = _var([1.0])
+    _step(opt, [var])
+    np.testing.assert_allclose(to_numpy(var), [0.9], rtol=1e-6)
 
 
 def test_float_learning_rate_refused_after_a_schedule():

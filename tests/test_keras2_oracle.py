@@ -162,6 +162,27 @@ def test_sparse_duplicates_equal_tf_keras(name):
     np.testing.assert_allclose(to_numpy(ours_v), theirs_v.numpy(), rtol=1e-6)
 
 
+@only_on("tensorflow")
+@pytest.mark.parametrize("clip", [
+    {"clipvalue": 0.5}, {"clipnorm": 1.0}, {"global_clipnorm": 1.0}],
+    ids=["clipvalue", "clipnorm", "global_clipnorm"])
+def test_sparse_duplicates_are_clipped_as_the_dense_gradient(clip):
+    # A row looked up twice: its slices are summed before clipping, as the
+    # dense gradient they stand for is clipped (and as JAX and PyTorch,
+    # whose gradients are dense, clip it). tf_keras clipped the slices as
+    # they came (docs/legacy.md): its oracle here is the dense gradient.
+    sparse = tf.IndexedSlices(tf.constant([[1.0, 2.0], [1.0, 0.25]]),
+                              tf.constant([0, 0]), tf.constant([3, 2]))
+    table = np.ones((3, 2), "float32")
+    ours_v, theirs_v = keras.Variable(table), tf.Variable(table)
+    ours = keras_ema_opt.SGD(1.0, **clip)
+    theirs = tf_keras.optimizers.SGD(1.0, **clip, jit_compile=False)
+    ours.apply_gradients([(sparse, ours_v)])
+    theirs.apply_gradients([(tf.convert_to_tensor(sparse), theirs_v)])
+    np.testing.assert_allclose(to_numpy(ours_v), theirs_v.numpy(), rtol=1e-6)
+    assert not np.allclose(to_numpy(ours_v), table)
+
+
 # -- the Keras 2 contract where Keras 3 differs (from review) ----------------
 
 
