@@ -225,6 +225,24 @@ def _check_loss_scale_factor(value):
         )
 
 
+def _accumulation_steps(value):
+    """Keras 3's ``gradient_accumulation_steps``: an integer >= 2 (0 and
+    False are none, as Keras reads a falsy value). Keras took ``2.5``
+    (steps at a fractional count) and failed at ``"2"`` with a bare
+    ``TypeError``."""
+    if value is False or (_is_real_number(value) and value == 0):
+        return None
+    if not _is_real_number(value):
+        raise InvalidArgumentTypeError(
+            "`gradient_accumulation_steps` must be an integer >= 2 or None. "
+            f"Received: gradient_accumulation_steps={value!r}")
+    if float(value) != int(value) or int(value) < 2:
+        raise InvalidArgumentError(
+            "`gradient_accumulation_steps` must be an integer >= 2 or None. "
+            f"Received: gradient_accumulation_steps={value!r}")
+    return int(value)
+
+
 def _validate_ema(use_ema, ema_momentum, ema_overwrite_frequency):
     """Keras 2's checks of the EMA arguments, made when ``use_ema`` is set."""
     if not use_ema:
@@ -627,6 +645,9 @@ class Optimizer(backend.OptimizerHooks, keras.optimizers.Optimizer):
             # is never.
             arguments["ema_overwrite_frequency"] = None
         _check_loss_scale_factor(arguments.get("loss_scale_factor"))
+        if arguments.get("gradient_accumulation_steps") is not None:
+            arguments["gradient_accumulation_steps"] = _accumulation_steps(
+                arguments["gradient_accumulation_steps"])
         jit_compile = arguments.pop("jit_compile", True)
         averaging = arguments.pop("averaging", None)
         follows = averaging is None  # an EMA from use_ema, if any
@@ -1135,6 +1156,26 @@ class Optimizer(backend.OptimizerHooks, keras.optimizers.Optimizer):
         optimizer.exclude_from_weight_decay(var_names=["bias", "norm"])
         ```
         """
+        if isinstance(var_names, str):
+            # One pattern: Keras 2 and 3 alike read a string's characters
+            # as patterns ("bias" excluded every name with a b, i, a or s).
+            var_names = [var_names]
+        for argument, given, kind in (("var_list", var_list, "variables"),
+                                      ("var_names", var_names, "strings")):
+            if given is None:
+                continue
+            try:
+                items = list(given)
+            except TypeError:
+                items = None
+            if items is None or (kind == "strings" and not all(
+                    isinstance(item, str) for item in items)):
+                raise InvalidArgumentTypeError(
+                    f"`exclude_from_weight_decay` takes `{argument}` as a "
+                    f"list of {kind}"
+                    + (" (regular expressions) or one string"
+                       if kind == "strings" else "")
+                    + f". Received: {argument}={given!r}")
         if self.built and getattr(
                 self, "_exclude_from_weight_decay_cache", None):
             raise InvalidArgumentError(
@@ -1554,6 +1595,13 @@ class Optimizer(backend.OptimizerHooks, keras.optimizers.Optimizer):
         end of an epoch) are settled first. A ``fit()`` that ends in an
         exception leaves the raw weights, on every backend.
         """
+        if var_list is not None:
+            try:
+                var_list = list(var_list)
+            except TypeError:
+                raise InvalidArgumentTypeError(
+                    "`finalize_variable_values` takes a list of variables. "
+                    f"Received: var_list={var_list!r}") from None
         averager = self._averager
         if averager is None or backend.fit_failed():
             # A fit() ending in an exception keeps its raw weights, on

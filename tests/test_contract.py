@@ -230,6 +230,22 @@ def test_sgd_config_tf_keras_writes_with_an_int_momentum_loads():
     assert isinstance(opt, keras_ema_opt.SGD) and opt.momentum == 0.0
 
 
+@pytest.mark.parametrize("steps,error", [
+    ("2", InvalidArgumentTypeError), (2.5, InvalidArgumentError),
+    (1, InvalidArgumentError), (-3, InvalidArgumentError)])
+def test_gradient_accumulation_steps_must_be_an_integer_of_2_or_more(
+        steps, error):
+    # Keras 3 took 2.5 (a fractional count of steps) and raised a bare
+    # TypeError from a comparison for "2".
+    with pytest.raises(error, match=re.escape(
+            "`gradient_accumulation_steps` must be an integer >= 2 or None. "
+            f"Received: gradient_accumulation_steps={steps!r}")):
+        keras_ema_opt.SGD(gradient_accumulation_steps=steps)
+    assert keras_ema_opt.SGD(
+        gradient_accumulation_steps=np.int64(3)).gradient_accumulation_steps \
+        == 3
+
+
 def test_ema_arguments_are_only_checked_with_use_ema():
     # Keras 2 validates them only when `use_ema=True`.
     opt = keras_ema_opt.SGD(ema_momentum=3.0, ema_overwrite_frequency=0)
@@ -830,3 +846,31 @@ def test_sparse_duplicate_indices_are_summed(name):
         opt_dense.apply_gradients([(tf.constant(dense), w_dense)])
     np.testing.assert_allclose(to_numpy(w_sparse), to_numpy(w_dense),
                                rtol=1e-6)
+
+
+def test_exclude_from_weight_decay_takes_one_string_as_one_pattern():
+    # Keras 2 and 3 alike read var_names="bias" as the patterns b, i, a
+    # and s: "kernel" kept its decay only because it has none of them.
+    opt = keras_ema_opt.AdamW(learning_rate=0.0, weight_decay=0.5)
+    kernel = keras.Variable(np.ones((2,), "float32"), name="kernel")
+    scale = keras.Variable(np.ones((2,), "float32"), name="scale")
+    opt.exclude_from_weight_decay(var_names="bias")
+    opt.build([kernel, scale])
+    assert opt._use_weight_decay(kernel) and opt._use_weight_decay(scale)
+
+
+@pytest.mark.parametrize("arguments", [
+    {"var_names": 5}, {"var_names": ["bias", 3]}, {"var_list": 5}],
+    ids=["names-int", "names-not-strings", "list-int"])
+def test_exclude_from_weight_decay_names_what_it_takes(arguments):
+    (argument, given), = arguments.items()
+    with pytest.raises(InvalidArgumentTypeError, match=re.escape(
+            f"Received: {argument}={given!r}")):
+        keras_ema_opt.AdamW().exclude_from_weight_decay(**arguments)
+
+
+def test_finalize_variable_values_names_what_it_takes():
+    opt = keras_ema_opt.SGD(use_ema=True)
+    with pytest.raises(InvalidArgumentTypeError,
+                       match=re.escape("Received: var_list=5")):
+        opt.finalize_variable_values(5)
