@@ -874,3 +874,20 @@ def test_finalize_variable_values_names_what_it_takes():
     with pytest.raises(InvalidArgumentTypeError,
                        match=re.escape("Received: var_list=5")):
         opt.finalize_variable_values(5)
+
+
+@pytest.mark.parametrize("kind", ["float", "schedule", "callable"])
+def test_the_rate_reads_as_a_number_for_every_kind_of_rate(kind):
+    # docs/legacy.md: `float(optimizer.learning_rate)` and
+    # `keras.ops.convert_to_numpy` read every kind of rate on every
+    # backend (the getter is no variable under a schedule or callable).
+    rate, expected = {
+        "float": (0.1, 0.1),
+        "schedule": (keras.optimizers.schedules.ExponentialDecay(
+            0.1, 1, 0.5), 0.05),
+        "callable": (lambda: 0.3, 0.3)}[kind]
+    opt = keras_ema_opt.SGD(rate)
+    _step(opt, [_var([1.0])])
+    for read in (float, lambda x: float(keras.ops.convert_to_numpy(x))):
+        assert read(opt.learning_rate) == pytest.approx(expected)
+        assert read(opt.lr) == pytest.approx(expected)
