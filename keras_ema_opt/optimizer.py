@@ -243,6 +243,38 @@ def _accumulation_steps(value):
     return int(value)
 
 
+def _static_shape(value):
+    """A tensor's shape as a tuple of ints; None where it has none or a
+    dimension is not known (a traced TensorFlow tensor)."""
+    shape = getattr(value, "shape", None)
+    if shape is None:
+        return None
+    try:
+        dims = tuple(shape)
+    except (TypeError, ValueError):  # a shape of unknown rank
+        return None
+    if any(not isinstance(d, (int, np.integer)) for d in dims):
+        return None
+    return tuple(int(d) for d in dims)
+
+
+def _check_gradient_shapes(cls_name, grads, variables):
+    """A gradient of another shape than its variable: an
+    ``InvalidArgumentError`` naming both, on every backend. Keras
+    broadcast it into the update on JAX and PyTorch and raised from inside
+    TensorFlow's ops there, and tf_keras did either by the class (its SGD
+    broadcast a (1,) gradient; its Adagrad raised)."""
+    for grad, variable in zip(grads, variables):
+        if grad is None:
+            continue
+        theirs, own = _static_shape(grad), _static_shape(variable)
+        if theirs is not None and own is not None and theirs != own:
+            raise InvalidArgumentError(
+                f"{cls_name}: a gradient must have its variable's shape: "
+                f"variable {getattr(variable, 'path', variable.name)!r} is "
+                f"{own}. Received: a gradient of shape {theirs}")
+
+
 def _validate_ema(use_ema, ema_momentum, ema_overwrite_frequency):
     """Keras 2's checks of the EMA arguments, made when ``use_ema`` is set."""
     if not use_ema:
@@ -1244,8 +1276,13 @@ class Optimizer(backend.OptimizerHooks, keras.optimizers.Optimizer):
             # On every variable given, as Keras 2 built it: one whose
             # gradient is None at this first step has its state when a
             # later step gives it one (built on the others alone, the
-            # optimizer refused it then).
-            self._build_for_minimize([v for _, v in grads_and_vars])
+            # optimizer refused it then). After the step's forward pass,
+            # in an eager custom loop (see `_build_state`).
+            self.__dict__["_keo_built_by_step"] = True
+            try:
+                self._build_for_minimize([v for _, v in grads_and_vars])
+            finally:
+                self.__dict__["_keo_built_by_step"] = False
         grads_and_vars = _filter_empty_gradients(grads_and_vars)
         made = []
         if aggregate and not skip_gradients_aggregation:
@@ -1300,8 +1337,16 @@ class Optimizer(backend.OptimizerHooks, keras.optimizers.Optimizer):
                 grads = [g for g, _ in pairs]
                 if trainable_variables is not None:
                     trainable_variables = [v for _, v in pairs]
+            _check_gradient_shapes(
+                type(self).__name__, grads,
+                getattr(self, "_trainable_variables", []) if
+                trainable_variables is None else trainable_variables)
+            # Keras' `apply` builds an unbuilt optimizer: after the step's
+            # forward pass, in an eager custom loop (see `_build_state`).
+            self.__dict__["_keo_built_by_step"] = not self.built
             return super().apply(grads, trainable_variables)
         finally:
+            self.__dict__["_keo_built_by_step"] = False
             # What the step noted it made (`backend.mark_step_made`) is
             # this step's only, also when the step raised.
             backend.mark_step_made(self, ())
@@ -1386,6 +1431,20 @@ class Optimizer(backend.OptimizerHooks, keras.optimizers.Optimizer):
             if self.averaging.include_non_trainable:
                 model = self._averaged_model()
                 extras = model.non_trainable_variables
+                if (fitting is None and backend.executing_eagerly()
+                        and self.__dict__.get("_keo_built_by_step")
+                        and any(keras.backend.is_float_dtype(v.dtype)
+                                for v in extras)):
+                    warnings.warn(
+                        f"{type(self).__name__}: this optimizer is built by "
+                        "its first step, after the step's forward pass: "
+                        "the averages of the model's non-trainable "
+                        "variables (BatchNorm statistics) start from their "
+                        "values after it, one step late (a compiled step, "
+                        "or `fit()`, starts them before it). Build it "
+                        "before the first forward pass: "
+                        "`optimizer.build(model.trainable_variables)`.",
+                        UserWarning, stacklevel=2)
             averager = engine.Averager(self.averaging)
             averager.build(self, variables, extras)
             if model is not None:
@@ -1411,8 +1470,11 @@ class Optimizer(backend.OptimizerHooks, keras.optimizers.Optimizer):
         non-trainable float variables (BatchNorm statistics) are created
         with the optimizer's other state. ``compile``/``fit`` and
         ``keras.saving.load_model`` find the model themselves (the one whose
-        ``optimizer`` is being built); a custom training loop calls this
-        before the optimizer is built.
+        ``optimizer`` is being built); a custom training loop calls this,
+        then builds the optimizer before its first forward pass (the
+        averages start from the statistics as the build finds them; built
+        by the first ``apply_gradients``, after that step's forward pass,
+        they start one step late, with a ``UserWarning``).
 
         Example:
 

@@ -1204,6 +1204,29 @@ def test_engine_update_copies_and_keeps_non_finite_values(momentum,
                                   new if momentum == 0.0 else start)
 
 
+@pytest.mark.parametrize("momentum", [1.0, 0.99999999])
+def test_debias_at_momentum_one_is_refused(momentum):
+    # The correction a / (1 - d^n) is 0 / 0 at d = 1 (0.99999999 is 1 in
+    # float32, where ours keeps its correction): optax.ema(1.0,
+    # debias=True) gives NaN; ours was accepted
+    # and held the last weights, where d = 1 - 1e-6 gives their mean.
+    optax = pytest.importorskip("optax")
+    import jax.numpy as jnp
+
+    ema = optax.ema(1.0, debias=True)
+    state = ema.init(jnp.zeros(2))
+    for x in ([1.0, 2.0], [3.0, 4.0]):
+        out, state = ema.update(jnp.asarray(x), state)
+    assert np.isnan(np.asarray(out)).all()
+    with pytest.raises(InvalidArgumentError, match=re.escape(
+            f"Received: momentum={momentum!r}")):
+        keras_ema_opt.EMA(momentum, debias=True)
+    # With a warm-up the decay stays below 1, and without debias the
+    # average is the first weights: both are taken.
+    keras_ema_opt.EMA(momentum, debias=True, warmup="power")
+    keras_ema_opt.EMA(momentum)
+
+
 def test_debias_correction_keeps_moving_near_one():
     # The correction c = 1 - prod(d) kept as c stopped moving once
     # w (1 - c) fell below half its float32 spacing: at 1 - 3e-8 / w

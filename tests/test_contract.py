@@ -891,3 +891,20 @@ def test_the_rate_reads_as_a_number_for_every_kind_of_rate(kind):
     for read in (float, lambda x: float(keras.ops.convert_to_numpy(x))):
         assert read(opt.learning_rate) == pytest.approx(expected)
         assert read(opt.lr) == pytest.approx(expected)
+
+
+@pytest.mark.parametrize("name", ["SGD", "Adam", "Adagrad"])
+@pytest.mark.parametrize("shape", [(1,), (), (3, 1)])
+def test_a_gradient_of_another_shape_is_refused_on_every_backend(
+        name, shape):
+    # Keras broadcast a (1,) or () gradient into a (3,) update on JAX and
+    # PyTorch, and raised from inside TensorFlow's ops there; tf_keras
+    # broadcast in its SGD and raised in its Adagrad.
+    var = _var([1.0, 2.0, 3.0])
+    opt = getattr(keras_ema_opt, name)(0.1)
+    with pytest.raises(InvalidArgumentError, match=re.escape(
+            f"is (3,). Received: a gradient of shape {shape}")):
+        _step(opt, [var], [keras.ops.ones(shape)])
+    np.testing.assert_array_equal(to_numpy(var), [1.0, 2.0, 3.0])
+    _step(opt, [var])  # the right shape still steps
+    assert not np.allclose(to_numpy(var), [1.0, 2.0, 3.0])

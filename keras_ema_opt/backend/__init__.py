@@ -46,6 +46,9 @@ here. Each backend module provides the same set:
   from the same variables before the optimizer state is built (broadcast
   from rank 0 under ``torch.distributed``); returns whether it replaced
   any value.
+- ``executing_eagerly()``: whether code runs eagerly here, not traced
+  into a graph (TensorFlow's ``tf.function``; always on JAX, whose
+  optimizer builds only eagerly, and PyTorch).
 - ``on_create(optimizer)``: called when an optimizer is made (TensorFlow:
   under a multi-worker strategy, make Keras' ``fit()`` work there).
 - ``chief_only_scope()``: a context for work the chief does alone
@@ -171,6 +174,7 @@ check_build = _impl.check_build
 host_array = _impl.host_array
 string_probe = _impl.string_probe
 forward_spans_processes = _impl.forward_spans_processes
+executing_eagerly = _impl.executing_eagerly
 
 __all__ = [
     "NAME",
@@ -208,5 +212,6 @@ __all__ = [
     "check_build",
     "host_array",
     "forward_spans_processes",
+    "executing_eagerly",
     "fit_failed",
 ]

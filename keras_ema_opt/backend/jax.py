@@ -565,3 +565,9 @@ def fit_failed():
     return (frame is not None and frame.f_code.co_name == "fit"
             and frame.f_locals.get("training_finished") is False
             and sys.exc_info()[0] is not None)
+
+
+def executing_eagerly():
+    """Always: an optimizer builds only eagerly on JAX (its stateless
+    step needs it built)."""
+    return True

@@ -818,3 +818,8 @@ def _lerp(averages, values, weight, gated):
         torch._foreach_copy_(averages, values)
         return
     torch._foreach_lerp_(averages, values, end)
+
+
+def executing_eagerly():
+    """Always (PyTorch runs eagerly)."""
+    return True
