@@ -13,6 +13,7 @@ from conftest import to_numpy
 import keras_ema_opt
 from keras_ema_opt.callbacks import PowerEMASnapshots
 from keras_ema_opt.errors import InvalidArgumentError
+from keras_ema_opt.errors import InvalidArgumentTypeError
 from keras_ema_opt.errors import UnknownVariableError
 
 
@@ -684,6 +685,19 @@ def test_assign_by_path_checks_every_shape_first():
         "d1/kernel": np.ones((3, 2), "float32"),
         "d1/bias": np.ones((3,), "float32")}, ValueError,
         rf"Shape mismatch for d1/bias \({head}d1/bias here\)")
+
+
+@pytest.mark.parametrize("value", ["abc", None, np.array(["a", "b"])],
+                         ids=["string", "none", "string-array"])
+def test_assign_by_path_names_a_weight_that_is_no_number(value):
+    # A string was "Shape mismatch ... the weights ()", naming no type.
+    model = keras.Sequential([keras.Input((3,)),
+                              keras.layers.Dense(2, name="d1")])
+    _refused_and_untouched(model, {
+        "d1/kernel": np.ones((3, 2), "float32"), "d1/bias": value},
+        InvalidArgumentTypeError,
+        r"assign_by_path\(\) takes numeric arrays: the weight at d1/bias "
+        f"is {type(value).__name__} ")
 
 
 @pytest.mark.parametrize("weights", [[1], [("d1/bias", np.ones(2))],

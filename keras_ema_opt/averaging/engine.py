@@ -25,6 +25,7 @@ from keras import ops
 
 from keras_ema_opt import backend
 from keras_ema_opt.errors import InvalidArgumentError
+from keras_ema_opt.errors import InvalidArgumentTypeError
 from keras_ema_opt.errors import UnknownVariableError
 
 
@@ -746,6 +747,20 @@ def assign_by_path(model, weights):
             f"variables: {sorted(by_path)[:5]}...")
     for path, value in weights.items():  # every shape before any assign
         var = by_path[names[path]]
+        kind = getattr(value, "dtype", None)
+        if kind is None:
+            kind = np.asarray(value).dtype
+        try:
+            numeric = not isinstance(value, (str, bytes)) and (
+                keras.backend.is_float_dtype(kind)
+                or keras.backend.is_int_dtype(kind)
+                or keras.backend.standardize_dtype(kind) == "bool")
+        except (TypeError, ValueError):
+            numeric = False
+        if not numeric:
+            raise InvalidArgumentTypeError(
+                f"assign_by_path() takes numeric arrays: the weight at "
+                f"{path} is {type(value).__name__} {_short(value)}.")
         if tuple(var.shape) != tuple(np.shape(value)):
             named = "" if names[path] == path else f" ({var.path} here)"
             raise InvalidArgumentError(
