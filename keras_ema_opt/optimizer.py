@@ -275,6 +275,19 @@ def _check_gradient_shapes(cls_name, grads, variables):
                 f"{own}. Received: a gradient of shape {theirs}")
 
 
+def _moved_by_forward(model):
+    """Whether ``model`` has non-trainable float variables a training
+    forward pass may move: those of a trainable layer (BatchNorm's moving
+    statistics), not a frozen layer's weights."""
+    for layer in model._flatten_layers():
+        if not layer.trainable:
+            continue
+        for variable in getattr(layer, "_non_trainable_variables", ()):
+            if keras.backend.is_float_dtype(variable.dtype):
+                return True
+    return False
+
+
 def _validate_ema(use_ema, ema_momentum, ema_overwrite_frequency):
     """Keras 2's checks of the EMA arguments, made when ``use_ema`` is set."""
     if not use_ema:
@@ -1208,6 +1221,10 @@ class Optimizer(backend.OptimizerHooks, keras.optimizers.Optimizer):
                     + (" (regular expressions) or one string"
                        if kind == "strings" else "")
                     + f". Received: {argument}={given!r}")
+            if argument == "var_list":  # any iterable, read once
+                var_list = items
+            else:
+                var_names = items
         if self.built and getattr(
                 self, "_exclude_from_weight_decay_cache", None):
             raise InvalidArgumentError(
@@ -1278,7 +1295,7 @@ class Optimizer(backend.OptimizerHooks, keras.optimizers.Optimizer):
             # later step gives it one (built on the others alone, the
             # optimizer refused it then). After the step's forward pass,
             # in an eager custom loop (see `_build_state`).
-            self.__dict__["_keo_built_by_step"] = True
+            self.__dict__["_keo_built_by_step"] = backend.executing_eagerly()
             try:
                 self._build_for_minimize([v for _, v in grads_and_vars])
             finally:
@@ -1323,6 +1340,8 @@ class Optimizer(backend.OptimizerHooks, keras.optimizers.Optimizer):
         if self.__dict__.get("_keo_check_at_step"):
             backend.check_build(self)
             del self.__dict__["_keo_check_at_step"]
+        if trainable_variables is not None:  # any iterable, read once
+            trainable_variables = list(trainable_variables)
         try:
             grads = backend.step_gradients(self, list(grads))
             grads = backend.prepare_gradients(grads)
@@ -1343,7 +1362,8 @@ class Optimizer(backend.OptimizerHooks, keras.optimizers.Optimizer):
                 trainable_variables is None else trainable_variables)
             # Keras' `apply` builds an unbuilt optimizer: after the step's
             # forward pass, in an eager custom loop (see `_build_state`).
-            self.__dict__["_keo_built_by_step"] = not self.built
+            self.__dict__["_keo_built_by_step"] = (
+                not self.built and backend.executing_eagerly())
             return super().apply(grads, trainable_variables)
         finally:
             self.__dict__["_keo_built_by_step"] = False
@@ -1431,19 +1451,23 @@ class Optimizer(backend.OptimizerHooks, keras.optimizers.Optimizer):
             if self.averaging.include_non_trainable:
                 model = self._averaged_model()
                 extras = model.non_trainable_variables
-                if (fitting is None and backend.executing_eagerly()
-                        and self.__dict__.get("_keo_built_by_step")
-                        and any(keras.backend.is_float_dtype(v.dtype)
-                                for v in extras)):
+                if self.__dict__.get("_keo_built_by_step") and (
+                        _moved_by_forward(model)):
+                    # Built eagerly by its first step (the flag is taken
+                    # before `build_scope`, where TensorFlow's
+                    # `init_scope` is eager also inside a trace).
                     warnings.warn(
                         f"{type(self).__name__}: this optimizer is built by "
                         "its first step, after the step's forward pass: "
                         "the averages of the model's non-trainable "
                         "variables (BatchNorm statistics) start from their "
-                        "values after it, one step late (a compiled step, "
-                        "or `fit()`, starts them before it). Build it "
-                        "before the first forward pass: "
-                        "`optimizer.build(model.trainable_variables)`.",
+                        "values after it, one step late (a traced step, "
+                        "and `fit()` on JAX and PyTorch, start them before "
+                        "it). Build it before the first forward pass: "
+                        "`optimizer.build(model.trainable_variables)`, "
+                        "after `optimizer.track_non_trainable(model)` "
+                        "(TensorFlow's `fit(run_eagerly=True)` builds it "
+                        "in its first step).",
                         UserWarning, stacklevel=2)
             averager = engine.Averager(self.averaging)
             averager.build(self, variables, extras)

@@ -908,3 +908,21 @@ def test_a_gradient_of_another_shape_is_refused_on_every_backend(
     np.testing.assert_array_equal(to_numpy(var), [1.0, 2.0, 3.0])
     _step(opt, [var])  # the right shape still steps
     assert not np.allclose(to_numpy(var), [1.0, 2.0, 3.0])
+
+
+def test_apply_and_exclusions_take_any_iterable_of_variables():
+    # Keras reads them once (list()): the checks before it read a
+    # generator first and left Keras an empty one, so that the step moved
+    # nothing and the exclusion excluded nothing, without a word.
+    variables = [_var([1.0, 1.0]), _var([1.0, 1.0, 1.0])]
+    opt = keras_ema_opt.SGD(0.5)
+    opt.apply([keras.ops.ones((2,)), keras.ops.ones((3,))],
+              (v for v in variables))
+    for var in variables:
+        np.testing.assert_array_equal(to_numpy(var), 0.5)
+    kernel = keras.Variable(np.ones((2,), "float32"), name="kernel")
+    opt = keras_ema_opt.AdamW(weight_decay=0.5)
+    opt.exclude_from_weight_decay(var_list=(v for v in [kernel]),
+                                  var_names=(n for n in ["nothing"]))
+    opt.build([kernel])
+    assert not opt._use_weight_decay(kernel)

@@ -657,6 +657,24 @@ def _short(value, most=120):
     return text if len(text) <= most else text[:most] + "..."
 
 
+def _numeric(value):
+    """Whether ``value`` holds numbers: not None, a string, or an array of
+    strings or objects (NumPy kinds O, U, S; a backend's string tensor).
+    NumPy's own numeric kinds, ml_dtypes' (int4, float8, bfloat16: kind
+    V) and every backend tensor of numbers are."""
+    if value is None or isinstance(value, (str, bytes)):
+        return False
+    dtype = getattr(value, "dtype", None)
+    if dtype is None:
+        try:
+            dtype = np.asarray(value).dtype
+        except (TypeError, ValueError):
+            return False
+    if isinstance(dtype, np.dtype):
+        return dtype.kind not in "OUS"
+    return "string" not in str(dtype)
+
+
 def assign_by_path(model, weights):
     """Assign ``{variable path: array}`` to the variables of ``model``.
 
@@ -747,17 +765,7 @@ def assign_by_path(model, weights):
             f"variables: {sorted(by_path)[:5]}...")
     for path, value in weights.items():  # every shape before any assign
         var = by_path[names[path]]
-        kind = getattr(value, "dtype", None)
-        if kind is None:
-            kind = np.asarray(value).dtype
-        try:
-            numeric = not isinstance(value, (str, bytes)) and (
-                keras.backend.is_float_dtype(kind)
-                or keras.backend.is_int_dtype(kind)
-                or keras.backend.standardize_dtype(kind) == "bool")
-        except (TypeError, ValueError):
-            numeric = False
-        if not numeric:
+        if not _numeric(value):
             raise InvalidArgumentTypeError(
                 f"assign_by_path() takes numeric arrays: the weight at "
                 f"{path} is {type(value).__name__} {_short(value)}.")

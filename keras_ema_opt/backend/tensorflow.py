@@ -480,52 +480,14 @@ _MULTI_WORKER = []
 
 def on_create(optimizer):
     """An optimizer made under a multi-worker strategy: make ``fit()``
-    work there (see above), and remember the strategy. Any optimizer of
-    ours: build it before an eager ``fit()``'s first step
-    (``_build_before_eager_fit``)."""
+    work there (see above), and remember the strategy."""
     del optimizer
-    _build_before_eager_fit()
     strategy = tf.distribute.get_strategy()
     if _multi_worker(strategy):
         _fix_multi_worker_fit()
         _MULTI_WORKER[:] = [r for r in _MULTI_WORKER
                             if r() is not None and r() is not strategy]
         _MULTI_WORKER.append(weakref.ref(strategy))
-
-
-_EAGER_BUILD = []
-
-
-def _build_before_eager_fit():
-    """Without a ``tf.distribute`` strategy Keras builds the optimizer in
-    the first train step. Traced, that build reads the variables as they
-    were before the step; under ``run_eagerly=True`` it ran after the
-    step's forward pass, so the averages of the statistics
-    (``include_non_trainable``: BatchNorm's moving mean and variance)
-    started from their values after it, one step late, where a compiled
-    ``fit()`` (and JAX's and PyTorch's, built before the first step)
-    start from their values before it. An eager ``fit()`` of a built model
-    now builds such an optimizer of ours first."""
-    if _EAGER_BUILD:
-        return
-    from keras.src.backend.tensorflow import trainer as tf_trainer
-
-    cls = tf_trainer.TensorFlowTrainer
-    original = cls._maybe_symbolic_build
-
-    def _maybe_symbolic_build(self, iterator=None, data_batch=None):
-        out = original(self, iterator, data_batch)
-        optimizer = getattr(self, "optimizer", None)
-        inner = getattr(optimizer, "inner_optimizer", optimizer)
-        averaging = getattr(inner, "averaging", None)
-        if (self.run_eagerly and self.built and optimizer is not None
-                and not optimizer.built
-                and getattr(averaging, "include_non_trainable", False)):
-            optimizer.build(self.trainable_variables)
-        return out
-
-    cls._maybe_symbolic_build = _maybe_symbolic_build
-    _EAGER_BUILD.append(True)
 
 
 def _multi_worker(strategy):
