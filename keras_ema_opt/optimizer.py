@@ -236,7 +236,8 @@ def _accumulation_steps(value):
         raise InvalidArgumentTypeError(
             "`gradient_accumulation_steps` must be an integer >= 2 or None. "
             f"Received: gradient_accumulation_steps={value!r}")
-    if float(value) != int(value) or int(value) < 2:
+    if not np.isfinite(float(value)) or float(value) != int(value) or int(
+            value) < 2:
         raise InvalidArgumentError(
             "`gradient_accumulation_steps` must be an integer >= 2 or None. "
             f"Received: gradient_accumulation_steps={value!r}")
@@ -275,17 +276,29 @@ def _check_gradient_shapes(cls_name, grads, variables):
                 f"{own}. Received: a gradient of shape {theirs}")
 
 
+def _listed(value):
+    """An iterable of items as a list; None for what is not one, or is
+    one tensor or variable (iterated, a Keras variable yields its rows
+    without end on JAX) or a string."""
+    if isinstance(value, (str, bytes)) or hasattr(value, "shape"):
+        return None
+    try:
+        return list(value)
+    except TypeError:
+        return None
+
+
 def _moved_by_forward(model):
-    """Whether ``model`` has non-trainable float variables a training
-    forward pass may move: those of a trainable layer (BatchNorm's moving
-    statistics), not a frozen layer's weights."""
-    for layer in model._flatten_layers():
-        if not layer.trainable:
-            continue
-        for variable in getattr(layer, "_non_trainable_variables", ()):
-            if keras.backend.is_float_dtype(variable.dtype):
-                return True
-    return False
+    """Whether ``model`` has a trainable layer whose training forward pass
+    moves its non-trainable float variables: Keras' BatchNormalization
+    (moving statistics) and SpectralNormalization (its power iteration's
+    vector). Not a frozen layer's weights, nor an adapted Normalization's
+    statistics, which no forward pass moves (a user's layer of its own
+    kind is not known here)."""
+    moving = (keras.layers.BatchNormalization,
+              keras.layers.SpectralNormalization)
+    return any(isinstance(layer, moving) and layer.trainable
+               for layer in model._flatten_layers())
 
 
 def _validate_ema(use_ema, ema_momentum, ema_overwrite_frequency):
@@ -1144,7 +1157,12 @@ class Optimizer(backend.OptimizerHooks, keras.optimizers.Optimizer):
             self._build_for_minimize(var_list)
         grads_and_vars = self.compute_gradients(loss, var_list, tape)
         if not self.built:  # a callable var_list: its variables exist now
-            self._build_for_minimize(list(var_list()))
+            # After the forward pass (see `_build_state`).
+            self.__dict__["_keo_built_by_step"] = backend.executing_eagerly()
+            try:
+                self._build_for_minimize(list(var_list()))
+            finally:
+                self.__dict__["_keo_built_by_step"] = False
             if self.__dict__.get("_keo_synced_on_build") and callable(loss):
                 grads_and_vars = self.compute_gradients(loss, var_list, tape)
         return self.apply_gradients(grads_and_vars)
@@ -1209,10 +1227,7 @@ class Optimizer(backend.OptimizerHooks, keras.optimizers.Optimizer):
                                       ("var_names", var_names, "strings")):
             if given is None:
                 continue
-            try:
-                items = list(given)
-            except TypeError:
-                items = None
+            items = _listed(given)
             if items is None or (kind == "strings" and not all(
                     isinstance(item, str) for item in items)):
                 raise InvalidArgumentTypeError(
@@ -1682,12 +1697,11 @@ class Optimizer(backend.OptimizerHooks, keras.optimizers.Optimizer):
         exception leaves the raw weights, on every backend.
         """
         if var_list is not None:
-            try:
-                var_list = list(var_list)
-            except TypeError:
+            given, var_list = var_list, _listed(var_list)
+            if var_list is None:
                 raise InvalidArgumentTypeError(
                     "`finalize_variable_values` takes a list of variables. "
-                    f"Received: var_list={var_list!r}") from None
+                    f"Received: var_list={given!r}")
         averager = self._averager
         if averager is None or backend.fit_failed():
             # A fit() ending in an exception keeps its raw weights, on

@@ -232,7 +232,9 @@ def test_sgd_config_tf_keras_writes_with_an_int_momentum_loads():
 
 @pytest.mark.parametrize("steps,error", [
     ("2", InvalidArgumentTypeError), (2.5, InvalidArgumentError),
-    (1, InvalidArgumentError), (-3, InvalidArgumentError)])
+    (1, InvalidArgumentError), (-3, InvalidArgumentError),
+    (float("inf"), InvalidArgumentError), (float("nan"),
+                                           InvalidArgumentError)])
 def test_gradient_accumulation_steps_must_be_an_integer_of_2_or_more(
         steps, error):
     # Keras 3 took 2.5 (a fractional count of steps) and raised a bare
@@ -860,10 +862,15 @@ def test_exclude_from_weight_decay_takes_one_string_as_one_pattern():
 
 
 @pytest.mark.parametrize("arguments", [
-    {"var_names": 5}, {"var_names": ["bias", 3]}, {"var_list": 5}],
-    ids=["names-int", "names-not-strings", "list-int"])
+    {"var_names": 5}, {"var_names": ["bias", 3]}, {"var_list": 5},
+    {"var_list": "variable"}],
+    ids=["names-int", "names-not-strings", "list-int", "one-variable"])
 def test_exclude_from_weight_decay_names_what_it_takes(arguments):
     (argument, given), = arguments.items()
+    if given == "variable":
+        # Read as a list, a 2-D variable yields its rows: without end on
+        # JAX (an index past the end does not raise there).
+        given = arguments[argument] = keras.Variable(np.ones((2, 2)))
     with pytest.raises(InvalidArgumentTypeError, match=re.escape(
             f"Received: {argument}={given!r}")):
         keras_ema_opt.AdamW().exclude_from_weight_decay(**arguments)
@@ -874,6 +881,11 @@ def test_finalize_variable_values_names_what_it_takes():
     with pytest.raises(InvalidArgumentTypeError,
                        match=re.escape("Received: var_list=5")):
         opt.finalize_variable_values(5)
+    one = keras.Variable(np.ones((2, 2)))  # rows without end on JAX
+    for opt in (keras_ema_opt.SGD(), keras_ema_opt.SGD(use_ema=True)):
+        with pytest.raises(InvalidArgumentTypeError, match=re.escape(
+                "`finalize_variable_values` takes a list of variables.")):
+            opt.finalize_variable_values(one)
 
 
 @pytest.mark.parametrize("kind", ["float", "schedule", "callable"])

@@ -228,6 +228,15 @@ def test_a_custom_loop_that_builds_at_its_first_step_is_warned():
             "`optimizer.build(model.trainable_variables)`")):
         optimizer.apply_gradients(grads_and_vars)
     _assert_stat_averages(optimizer, model.layers[1], after, [after])
+    # `minimize` with a callable var_list builds after its forward pass too.
+    model = _model()
+    optimizer = keras_ema_opt.SGD(
+        0.05, averaging=keras_ema_opt.EMA(M, include_non_trainable=True))
+    optimizer.track_non_trainable(model)
+    with pytest.warns(UserWarning, match="Build it before"):
+        optimizer.minimize(
+            lambda: keras.ops.mean(model(x[:8], training=True)),
+            lambda: model.trainable_variables)
     # Built first (as the loop above), nothing is said.
     model = _model()
     optimizer = keras_ema_opt.SGD(
@@ -247,6 +256,19 @@ def test_no_warning_where_the_build_reads_the_values_before_the_step():
     # the averages start right, and nothing is said.
     model = keras.Sequential([keras.Input((3,)),
                               keras.layers.Dense(2, trainable=False),
+                              keras.layers.Dense(1)])
+    optimizer = keras_ema_opt.SGD(
+        0.1, averaging=keras_ema_opt.EMA(0.5, include_non_trainable=True))
+    optimizer.track_non_trainable(model)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        optimizer.apply_gradients([(np.ones(v.shape, "float32"), v)
+                                   for v in model.trainable_variables])
+    assert not [w for w in caught if "Build it before" in str(w.message)]
+    # An adapted Normalization's statistics: no forward pass moves them.
+    norm = keras.layers.Normalization()
+    norm.adapt(np.arange(6, dtype="float32").reshape(2, 3))
+    model = keras.Sequential([keras.Input((3,)), norm,
                               keras.layers.Dense(1)])
     optimizer = keras_ema_opt.SGD(
         0.1, averaging=keras_ema_opt.EMA(0.5, include_non_trainable=True))
