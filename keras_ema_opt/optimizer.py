@@ -268,6 +268,11 @@ def _check_gradient_shapes(cls_name, grads, variables):
     for grad, variable in zip(grads, variables):
         if grad is None:
             continue
+        try:
+            if grad.shape == variable.shape:  # the step's common case, fast
+                continue
+        except (AttributeError, TypeError, ValueError):
+            pass
         theirs, own = _static_shape(grad), _static_shape(variable)
         if theirs is not None and own is not None and theirs != own:
             raise InvalidArgumentError(
