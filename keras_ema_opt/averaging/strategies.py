@@ -297,14 +297,15 @@ class EMA(Averaging):
             )
         self.warmup = warmup
         self.debias = _check_bool("debias", debias)
-        if self.debias and warmup is None and np.float32(self.momentum) == 1:
+        if self.debias and warmup is None and self.momentum == 1:
             # The correction divides by 1 - momentum^n: 0 / 0 (optax's
-            # ema(1.0, debias=True) is NaN; the limit is the running mean,
-            # which is `SWA`).
+            # ema(1.0, debias=True) is NaN). Below 1, however close, the
+            # weight 1 - momentum is taken in float64 and the average
+            # tends to the running mean, which is `SWA`.
             raise InvalidArgumentError(
                 "`EMA(debias=True)` without a warm-up needs `momentum` "
-                "below 1 in float32 (its bias correction divides by 1 - "
-                "momentum^n, 0 at 1; the mean of the weights is `SWA`). "
+                "below 1 (its bias correction divides by 1 - momentum^n, "
+                "0 at 1; the mean of the weights is `SWA`). "
                 f"Received: momentum={momentum!r}")
         self.initial = "zeros" if self.debias else "copy"
         self.inv_gamma = _check_positive("inv_gamma", inv_gamma)
