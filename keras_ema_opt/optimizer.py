@@ -90,12 +90,19 @@ def _is_keras2_schedule(value):
               for c in type(value).__mro__[1:])
 
 
+def _float_value(value):
+    """A real number, 0-d tensor or variable as the Python float it holds
+    (its value now); anything else unchanged, for the checks to name."""
+    value = _as_real_number(value)
+    return float(value) if _is_real_number(value) else value
+
+
 def _learning_rate(value):
     """``learning_rate`` as Keras 3 takes it: scalar tensors and variables
     as floats, a Keras 2 built-in schedule rebuilt as Keras 3's."""
-    value = _as_real_number(value)
-    if _is_real_number(value):
-        return float(value)
+    value = _float_value(value)
+    if isinstance(value, float):
+        return value
     if not _is_keras2_schedule(value):
         return value
     name = type(value).__name__
@@ -138,13 +145,6 @@ def _scalar_value(value):
                             or np.issubdtype(array.dtype, np.integer)):
         return array.item()
     return value
-
-
-def _float_value(value):
-    """A real number, 0-d tensor or variable as the Python float it holds
-    (its value now); anything else unchanged, for the checks to name."""
-    value = _scalar_value(value)
-    return float(value) if _is_real_number(value) else value
 
 
 # Arguments of Keras' base optimizer that default to None and are a
@@ -281,16 +281,21 @@ def _check_gradient_shapes(cls_name, grads, variables):
                 f"{own}. Received: a gradient of shape {theirs}")
 
 
-def _listed(value):
-    """An iterable of items as a list; None for what is not one, or is
-    one tensor or variable (iterated, a Keras variable yields its rows
-    without end on JAX) or a string."""
-    if isinstance(value, (str, bytes)) or hasattr(value, "shape"):
-        return None
-    try:
-        return list(value)
-    except TypeError:
-        return None
+def _list_argument(given, argument, takes, item_type=object):
+    """``given``, an iterable of ``item_type``, read once as a list; else
+    an ``InvalidArgumentTypeError``: ``takes``, then the value received.
+    One tensor or variable, or a string, is not such an iterable (a Keras
+    variable read as one yields its rows without end on JAX)."""
+    items = None
+    if not isinstance(given, (str, bytes)) and not hasattr(given, "shape"):
+        try:
+            items = list(given)
+        except TypeError:
+            pass
+    if items is None or not all(isinstance(i, item_type) for i in items):
+        raise InvalidArgumentTypeError(
+            f"{takes}. Received: {argument}={given!r}")
+    return items
 
 
 def _moved_by_forward(model):
@@ -1162,12 +1167,7 @@ class Optimizer(backend.OptimizerHooks, keras.optimizers.Optimizer):
             self._build_for_minimize(var_list)
         grads_and_vars = self.compute_gradients(loss, var_list, tape)
         if not self.built:  # a callable var_list: its variables exist now
-            # After the forward pass (see `_build_state`).
-            self.__dict__["_keo_built_by_step"] = backend.executing_eagerly()
-            try:
-                self._build_for_minimize(list(var_list()))
-            finally:
-                self.__dict__["_keo_built_by_step"] = False
+            self._build_in_step(list(var_list()))
             if self.__dict__.get("_keo_synced_on_build") and callable(loss):
                 grads_and_vars = self.compute_gradients(loss, var_list, tape)
         return self.apply_gradients(grads_and_vars)
@@ -1179,6 +1179,15 @@ class Optimizer(backend.OptimizerHooks, keras.optimizers.Optimizer):
         with keras.name_scope(self.name, caller=self), backend.build_scope():
             self.build(variables)
         self.built = True
+
+    def _build_in_step(self, variables):
+        """``_build_for_minimize`` after the step's forward pass, marked
+        as such where it runs eagerly (``_build_state`` warns then)."""
+        self.__dict__["_keo_built_by_step"] = backend.executing_eagerly()
+        try:
+            self._build_for_minimize(variables)
+        finally:
+            self.__dict__["_keo_built_by_step"] = False
 
     def aggregate_gradients(self, grads_and_vars):
         """Aggregate gradients over replicas (identity outside a
@@ -1228,23 +1237,15 @@ class Optimizer(backend.OptimizerHooks, keras.optimizers.Optimizer):
             # One pattern: Keras 2 and 3 alike read a string's characters
             # as patterns ("bias" excluded every name with a b, i, a or s).
             var_names = [var_names]
-        for argument, given, kind in (("var_list", var_list, "variables"),
-                                      ("var_names", var_names, "strings")):
-            if given is None:
-                continue
-            items = _listed(given)
-            if items is None or (kind == "strings" and not all(
-                    isinstance(item, str) for item in items)):
-                raise InvalidArgumentTypeError(
-                    f"`exclude_from_weight_decay` takes `{argument}` as a "
-                    f"list of {kind}"
-                    + (" (regular expressions) or one string"
-                       if kind == "strings" else "")
-                    + f". Received: {argument}={given!r}")
-            if argument == "var_list":  # any iterable, read once
-                var_list = items
-            else:
-                var_names = items
+        if var_list is not None:  # any iterable, read once
+            var_list = _list_argument(
+                var_list, "var_list", "`exclude_from_weight_decay` takes "
+                "`var_list` as a list of variables")
+        if var_names is not None:
+            var_names = _list_argument(
+                var_names, "var_names", "`exclude_from_weight_decay` takes "
+                "`var_names` as a list of strings (regular expressions) or "
+                "one string", str)
         if self.built and getattr(
                 self, "_exclude_from_weight_decay_cache", None):
             raise InvalidArgumentError(
@@ -1313,13 +1314,8 @@ class Optimizer(backend.OptimizerHooks, keras.optimizers.Optimizer):
             # On every variable given, as Keras 2 built it: one whose
             # gradient is None at this first step has its state when a
             # later step gives it one (built on the others alone, the
-            # optimizer refused it then). After the step's forward pass,
-            # in an eager custom loop (see `_build_state`).
-            self.__dict__["_keo_built_by_step"] = backend.executing_eagerly()
-            try:
-                self._build_for_minimize([v for _, v in grads_and_vars])
-            finally:
-                self.__dict__["_keo_built_by_step"] = False
+            # optimizer refused it then).
+            self._build_in_step([v for _, v in grads_and_vars])
         grads_and_vars = _filter_empty_gradients(grads_and_vars)
         made = []
         if aggregate and not skip_gradients_aggregation:
@@ -1702,11 +1698,9 @@ class Optimizer(backend.OptimizerHooks, keras.optimizers.Optimizer):
         exception leaves the raw weights, on every backend.
         """
         if var_list is not None:
-            given, var_list = var_list, _listed(var_list)
-            if var_list is None:
-                raise InvalidArgumentTypeError(
-                    "`finalize_variable_values` takes a list of variables. "
-                    f"Received: var_list={given!r}")
+            var_list = _list_argument(
+                var_list, "var_list",
+                "`finalize_variable_values` takes a list of variables")
         averager = self._averager
         if averager is None or backend.fit_failed():
             # A fit() ending in an exception keeps its raw weights, on

@@ -176,6 +176,11 @@ def set_vocabularies(record, model):
                       "vocabulary: it is not migrated.", stacklevel=3)
 
 
+def _class_names(layer):
+    """The names of the layer's class and of those it derives from."""
+    return {c.__name__ for c in type(layer).__mro__}
+
+
 def _own_vocabulary(layer):
     """The entries of a lookup layer's vocabulary, its special tokens left
     out; none where the layer cannot say (a user's layer with
@@ -213,8 +218,7 @@ def _set_vocabulary(record, layer, keys, values, idf=None,
     indices, tokens = (keys, values) if invert else (values, keys)
     where = (f"{record.path}: layer {layer.name!r} "
              f"({type(layer).__name__})")
-    if class_name is not None and class_name not in {
-            c.__name__ for c in type(layer).__mro__}:
+    if class_name is not None and class_name not in _class_names(layer):
         raise LegacyConfigError(
             f"{where}: the file's layer of that name is a {class_name}, "
             "whose vocabulary this layer cannot take. Give the model's "
@@ -280,7 +284,7 @@ def _check_tokens(where, layer, tokens, indices):
     config = layer.get_config()
     mask, oov = config.get("mask_token"), config.get("oov_token")
     num_oov = config.get("num_oov_indices", 1)
-    if "TextVectorization" in {c.__name__ for c in type(layer).__mro__}:
+    if "TextVectorization" in _class_names(layer):
         # (Its inner lookup layer's, which its config does not list.)
         mask = "" if config.get("output_mode") == "int" else None
         oov, num_oov = "[UNK]", 1
