@@ -66,12 +66,15 @@ def last_json(proc):
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def made_by_script(script, args, tag=""):
+def made_by_script(script, args, tag="", python=None, env=None):
     """The folder of artifacts ``script OUT *args`` makes with real
     TensorFlow / tf_keras in a subprocess, made once per machine and
     script version under ``.pytest-fixtures/`` (CI runs the backends over
     the same clone, possibly at the same time: a file lock keeps one
-    maker)."""
+    maker). ``python`` runs it in another environment (an older
+    TensorFlow's, ``tests/old_tf.py``; its version then goes in ``tag``
+    and, as its TensorFlow reports it, in the folder's
+    ``TENSORFLOW_VERSION``), with ``env`` added to the environment."""
     import fcntl
     import hashlib
     import shutil
@@ -96,28 +99,48 @@ def made_by_script(script, args, tag=""):
         if not os.path.exists(os.path.join(folder, "DONE")):
             shutil.rmtree(folder, ignore_errors=True)
             os.makedirs(folder)
-            _run_in_parallel(script, folder, args)
+            _run_in_parallel(script, folder, args, python=python, env=env)
+            if python is not None:
+                import subprocess
+
+                version = subprocess.run(
+                    [python, "-c", "import tensorflow as tf; "
+                     "print(tf.__version__)"], check=True, text=True,
+                    capture_output=True, env=_maker_env(env)).stdout
+                with open(os.path.join(folder, "TENSORFLOW_VERSION"),
+                          "w") as f:
+                    f.write(version)
             open(os.path.join(folder, "DONE"), "w").close()
     return folder
 
 
-def _run_in_parallel(script, folder, args, timeout=900):
+def _maker_env(env=None):
+    """The environment of a maker: the TensorFlow backend on the CPU, and
+    ``env``."""
+    return dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3",
+                KERAS_BACKEND="tensorflow", CUDA_VISIBLE_DEVICES="",
+                **(env or {}))
+
+
+def _run_in_parallel(script, folder, args, timeout=900, python=None,
+                     env=None):
     """``script folder *chunk`` for the arguments dealt round-robin into one
     chunk per core (at most 2: each maker writes its own cases' folders),
-    under the TensorFlow backend on the CPU; every maker must succeed."""
+    under the TensorFlow backend on the CPU, by ``python`` (this
+    interpreter where None); every maker must succeed."""
     import subprocess
     import sys
     import tempfile
 
     jobs = max(1, min(2, os.cpu_count() or 1, len(args)))
-    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3",
-               KERAS_BACKEND="tensorflow", CUDA_VISIBLE_DEVICES="")
+    env = _maker_env(env)
     makers = []
     for i in range(jobs):
         err = tempfile.TemporaryFile(mode="w+")
         proc = subprocess.Popen(
-            [sys.executable, str(script), folder, *args[i::jobs]], env=env,
-            cwd=ROOT, stdout=subprocess.DEVNULL, stderr=err, text=True)
+            [python or sys.executable, str(script), folder,
+             *args[i::jobs]], env=env, cwd=ROOT, stdout=subprocess.DEVNULL,
+            stderr=err, text=True)
         makers.append((proc, err))
     failures = []
     for proc, err in makers:

@@ -13,6 +13,7 @@ weight equal to tf_keras' and every optimizer variable, path by path, and
 the optimizer's config equal to what the trained format gave.
 """
 
+import functools
 import json
 import os
 import re
@@ -36,6 +37,7 @@ from conftest import only_on
 from conftest import run_python
 from conftest import to_numpy
 from legacy_custom_objects import CUSTOM_OBJECTS
+import old_tf
 
 pytest.importorskip("tf_keras")
 
@@ -141,70 +143,73 @@ def test_every_format_migrates_to_the_same_state(artifacts, case, fmt):
                       _trained_format(CASES, case))
 
 
-# Committed fixture sets written by older TensorFlow releases themselves
-# (``tests/scripts/make_old_tf_fixtures.sh VERSION``): tf.keras 2.12, and
-# Keras 2.15, the last Keras 2 that TensorFlow shipped as ``tf.keras``.
-OLD_TF = {version: os.path.join(ROOT, "tests", "fixtures", f"tf{version}")
-          for version in ("2.12", "2.15")}
-def _old_cases(version):
-    """A set's cases as CASES spell them ("adam:mlp"; folders "adam-mlp")."""
-    folder = OLD_TF[version]
-    return sorted(c.rsplit("-", 1)[0] + ":" + c.rsplit("-", 1)[1]
-                  for c in os.listdir(folder)
-                  if os.path.isdir(os.path.join(folder, c)))
+# Sets written by older TensorFlow releases themselves, made in the run in
+# environments of their own (``tests/old_tf.py``): tf.keras 2.12, and Keras
+# 2.15, the last Keras 2 that TensorFlow shipped as ``tf.keras``.
+OLD_TF = sorted(old_tf.RELEASES)
 
 
-# Lion came in Keras 2.13.
-OLD_TF_OPTIMIZERS = {"2.12": set(NEW + LEGACY) - {"lion"},
-                     "2.15": set(NEW + LEGACY)}
-OLD_TF_RELEASES = {"2.12": "2.12.1", "2.15": "2.15.1"}
+@pytest.fixture(scope="session")
+def old_tf_set():
+    """The folder of a release's set (made at the first call for it)."""
+    return functools.cache(old_tf.artifacts)
 
 
-@pytest.mark.parametrize("version", sorted(OLD_TF))
-def test_old_tf_fixture_sets_are_complete(version):
-    """Each committed set: every optimizer its Keras 2 has, on the MLP, and
-    a few on each other model, written by that TensorFlow release itself."""
-    folder = OLD_TF[version]
-    release = OLD_TF_RELEASES[version]
+@pytest.mark.parametrize("version", OLD_TF)
+def test_old_tf_fixture_sets_are_complete(old_tf_set, version):
+    """Each set: every optimizer its Keras 2 has, on the MLP, and a few on
+    each other model, in every format, written by that TensorFlow release
+    itself."""
+    folder = old_tf_set(version)
+    release = old_tf.RELEASES[version]
     with open(os.path.join(folder, "TENSORFLOW_VERSION")) as f:
         assert f.read().strip() == release
-    cases = _old_cases(version)
-    assert {c.split(":")[0] for c in cases if c.endswith(":mlp")} == (
-        OLD_TF_OPTIMIZERS[version])
-    assert {c.split(":")[1] for c in cases} == {
+    cases = sorted(c for c in os.listdir(folder)
+                   if os.path.isdir(os.path.join(folder, c)))
+    assert cases == sorted(c.replace(":", "-")
+                           for c in old_tf.cases(version))
+    assert {c.split(":")[0] for c in old_tf.cases(version)
+            if c.endswith(":mlp")} == set(old_tf.optimizers(version))
+    assert {c.split(":")[1] for c in old_tf.cases(version)} == {
         "mlp", "conv", "embed", "nested", "rnn", "custom"}
-    assert {f for _, f in _trained(cases)} == set(FORMATS)
+    assert {f for _, f in _trained(sorted(old_tf.cases(version)))} == set(
+        FORMATS)
     for case in cases:
-        with open(os.path.join(folder, case.replace(":", "-"),
-                               "info.json")) as f:
+        for path in FORMATS.values():
+            assert os.path.exists(os.path.join(
+                folder, case, path if path in ("savedmodel", "model.h5")
+                else path + ".index")), (case, path)
+        with open(os.path.join(folder, case, "info.json")) as f:
             assert json.load(f)["tensorflow"] == release
 
 
-def _old(version, pairs):
-    return [pytest.param(os.path.join(OLD_TF[version], c.replace(":", "-")),
-                         f, id=f"{version}-{c}-{f}") for c, f in pairs]
+def _old(pairs_of):
+    return [pytest.param(v, *p, id=f"{v}-{p[0]}-{p[1]}") for v in OLD_TF
+            for p in pairs_of(sorted(old_tf.cases(v)))]
 
 
-@pytest.mark.parametrize("folder,fmt", [
-    p for v in sorted(OLD_TF) for p in _old(v, _trained(_old_cases(v)))])
-def test_old_tf_artifacts_continue_like_their_keras_2(folder, fmt):
+def _old_folder(old_tf_set, version, case):
+    return os.path.join(old_tf_set(version), case.replace(":", "-"))
+
+
+@pytest.mark.parametrize("version,case,fmt", _old(_trained))
+def test_old_tf_artifacts_continue_like_their_keras_2(old_tf_set, version,
+                                                      case, fmt):
     """Artifacts of tf.keras 2.12 and Keras 2.15, continued 5 steps by that
-    release itself when they were made: the committed ``expected.npz`` is
-    its result."""
-    _check_continuation(folder, fmt)
+    release itself when they were made: its ``expected.npz``."""
+    _check_continuation(_old_folder(old_tf_set, version, case), fmt)
 
 
-def _old_other_formats(version):
-    cases = _old_cases(version)
-    return [pytest.param(os.path.join(OLD_TF[version], c.replace(":", "-")),
-                         f, _trained_format(cases, c), id=f"{version}-{c}-{f}")
+def _other_formats_with_trained(cases):
+    return [(c, f, _trained_format(cases, c))
             for c, f in _other_formats(cases)]
 
 
-@pytest.mark.parametrize("folder,fmt,trained", [
-    p for v in sorted(OLD_TF) for p in _old_other_formats(v)])
-def test_every_old_tf_format_migrates_to_the_same_state(folder, fmt, trained):
-    _check_same_state(folder, fmt, trained)
+@pytest.mark.parametrize("version,case,fmt,trained",
+                         _old(_other_formats_with_trained))
+def test_every_old_tf_format_migrates_to_the_same_state(old_tf_set, version,
+                                                        case, fmt, trained):
+    _check_same_state(_old_folder(old_tf_set, version, case), fmt, trained)
 
 
 def _migrate(folder, fmt):
@@ -350,16 +355,16 @@ print(json.dumps({"worst": out,
 
 
 @only_on("jax", "torch")  # the TensorFlow backend needs TensorFlow
-def test_migration_with_tensorflow_blocked(artifacts):
-    """Every format, from this run's tf_keras and from the committed
-    tf.keras 2.12 and Keras 2.15 sets, migrated and continued with
+def test_migration_with_tensorflow_blocked(artifacts, old_tf_set):
+    """Every format, from this run's tf_keras and from the tf.keras 2.12
+    and Keras 2.15 sets, migrated and continued with
     TensorFlow (and tf_keras) blocked from import: numpy and h5py only."""
     cases = [(os.path.join(artifacts, "adam_ema-conv"), path)
              for path in (*FORMATS.values(), "model.keras")]
     cases += [(os.path.join(artifacts, "L_nadam-nested"), "savedmodel")]
-    cases += [(os.path.join(OLD_TF["2.12"], "L_rmsprop-rnn"), path)
+    cases += [(os.path.join(old_tf_set("2.12"), "L_rmsprop-rnn"), path)
               for path in ("savedmodel", "model.h5", "ckpt/ckpt")]
-    cases += [(os.path.join(OLD_TF["2.15"], "adam_ema-conv"), path)
+    cases += [(os.path.join(old_tf_set("2.15"), "adam_ema-conv"), path)
               for path in ("savedmodel", "model.h5", "weights/w",
                            "model.keras")]
     result = last_json(run_python("-c", NO_TF, json.dumps(cases),

@@ -28,6 +28,7 @@ from conftest import made_by_script
 from conftest import only_on
 from conftest import run_python
 from conftest import to_numpy
+import old_tf
 
 pytest.importorskip("tf_keras")
 
@@ -244,14 +245,12 @@ def _assert_lookups_like(model, oracle, layers):
             oracle[name]["output"], rtol=1e-6, err_msg=name)
 
 
-# Keras 2 releases whose SavedModels of the same layers are committed
-# (``tests/scripts/make_old_tf_fixtures.sh``), beside tf_keras' made here.
-OLD_LOOKUPS = {version: os.path.join(ROOT, "tests", "fixtures",
-                                     f"tf{version}-lookups")
-               for version in ("2.12", "2.15")}
+# Keras 2 releases whose SavedModels of the same layers are made in the
+# run beside tf_keras' (``tests/old_tf.py``).
+OLD_LOOKUPS = sorted(old_tf.RELEASES)
 
 
-@pytest.mark.parametrize("source", ["tf_keras", *sorted(OLD_LOOKUPS)])
+@pytest.mark.parametrize("source", ["tf_keras", *OLD_LOOKUPS])
 def test_adapted_vocabularies_of_a_savedmodel_migrate(lookup_artifacts,
                                                       tmp_path, source):
     """An adapted `TextVectorization` / `StringLookup` / `IntegerLookup`
@@ -268,9 +267,9 @@ def test_adapted_vocabularies_of_a_savedmodel_migrate(lookup_artifacts,
 
     folder, oracle = lookup_artifacts
     if source in OLD_LOOKUPS:
-        folder = OLD_LOOKUPS[source]
+        folder = old_tf.lookups(source)
         with open(os.path.join(folder, "TENSORFLOW_VERSION")) as f:
-            assert f.read().startswith(source + ".")
+            assert f.read().strip() == old_tf.RELEASES[source]
         with open(os.path.join(folder, "oracle.json")) as f:
             oracle = json.load(f)
     record = inspect(os.path.join(folder, "lookups"))

@@ -7,10 +7,12 @@
 #
 #     bash tests/scripts/make_old_tf_fixtures.sh 2.12|2.15 [PYTHON3.11]
 #
-# tests/test_migration.py reads every case in the folder (OLD_TF) and checks
-# the set is complete. The set is small on purpose: every optimizer that
-# Keras 2 release has (new and OptimizerV2, EMA on and off) on the MLP, and
-# a few on the other models, each in all four formats. Beside it,
+# The tests make the same sets during their run (tests/old_tf.py, which
+# lists the cases); they read these committed ones only with
+# KEO_OLD_TF_FIXTURES=committed, for a machine without the package
+# registry. The set is small on purpose: every optimizer that Keras 2
+# release has (new and OptimizerV2, EMA on and off) on the MLP, and a few
+# on the other models, each in all four formats. Beside it,
 # tests/fixtures/tfVERSION-lookups/ holds SavedModels of adapted lookup
 # layers (make_lookup_artifacts.py).
 set -euo pipefail
@@ -18,8 +20,8 @@ cd "$(dirname "$0")/../.."
 VERSION=${1:?usage: make_old_tf_fixtures.sh 2.12|2.15 [PYTHON3.11]}
 PYTHON=${2:-python3.11}
 case "$VERSION" in
-    2.12) RELEASE=2.12.1; OPTIMIZERS="" ;;
-    2.15) RELEASE=2.15.1; OPTIMIZERS="lion" ;;  # Lion came in Keras 2.13
+    2.12) RELEASE=2.12.1 ;;
+    2.15) RELEASE=2.15.1 ;;
     *) echo "no fixture set for TensorFlow $VERSION (2.12 or 2.15)" >&2
        exit 2 ;;
 esac
@@ -28,13 +30,7 @@ if [ ! -x "$VENV/bin/python" ]; then
     "$PYTHON" -m venv "$VENV"
     "$VENV/bin/pip" install -q "tensorflow-cpu==$RELEASE" "h5py<3.17"
 fi
-OPTIMIZERS="sgd sgd_ema adam adam_ema adamw adagrad adadelta adamax nadam
-    rmsprop_ema ftrl adafactor $OPTIMIZERS L_sgd L_adam L_adagrad L_adadelta
-    L_adamax L_nadam L_rmsprop L_rmsprop_m L_ftrl"
-CASES=""
-for o in $OPTIMIZERS; do CASES="$CASES $o:mlp"; done
-CASES="$CASES adam_ema:conv L_sgd:conv rmsprop_ema:embed L_adagrad:embed
-    sgd_ema:nested L_rmsprop:rnn adam:custom"
+CASES=$("$VENV/bin/python" tests/old_tf.py "$VERSION")
 OUT=tests/fixtures/tf$VERSION
 rm -rf "$OUT.tmp"
 mkdir -p "$OUT.tmp"
