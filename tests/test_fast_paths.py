@@ -1241,8 +1241,11 @@ def _kernel_off(monkeypatch):
 
 
 def _state_of(optimizer, variables):
+    """The weights and the optimizer's state, but a ``PowerEMA``'s run
+    (drawn apart for each run)."""
     return [to_numpy(v) for v in variables] + [
-        to_numpy(v) for v in optimizer.variables]
+        to_numpy(v) for v in optimizer.variables
+        if not v.path.endswith("/averaging_run")]
 
 
 _KERNEL_CASES = [

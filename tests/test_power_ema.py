@@ -273,6 +273,84 @@ def test_a_new_run_in_a_used_snapshot_folder_sets_the_old_aside(tmp_path):
 
 
 
+def _run_of(model):
+    from keras_ema_opt.averaging.engine import run_name
+
+    return run_name(to_numpy(model.optimizer._averager.run))
+
+
+def test_a_run_resumed_into_a_folder_another_run_used_sets_it_aside(
+        tmp_path):
+    # Run B writes steps 2 to 8 and is saved; run A, from step 0 into the
+    # same folder, sets B's aside and writes 2 to 24; B resumed at step 8
+    # sets aside A's after 8 (steps it takes again, by their steps), and
+    # A's of steps 2 to 8, which no step told apart: they stayed, and
+    # synthesize mixed them into B's solve. The oracle: B resumed into a
+    # folder of its own.
+    folder = tmp_path / "snapshots"
+    b = _snapshot_run(folder, 1.0, epochs=2)
+    b.save(tmp_path / "b.keras")
+    with pytest.warns(UserWarning, match=r"this run starts at step 0"):
+        a = _snapshot_run(folder, -1.0, epochs=6)
+    assert _run_of(a) != _run_of(b)
+    x = np.random.default_rng(0).normal(size=(16, 3)).astype("float32")
+
+    def resume(into):
+        keras.utils.set_random_seed(1)
+        model = keras.saving.load_model(tmp_path / "b.keras")
+        model.optimizer.averaging.snapshot_dir = str(into)
+        model.fit(x, x.sum(axis=1, keepdims=True), batch_size=4, epochs=2,
+                  shuffle=False, verbose=0, callbacks=[PowerEMASnapshots()])
+        return model
+
+    with pytest.warns(UserWarning) as caught:
+        resumed = resume(folder)
+    assert _run_of(resumed) == _run_of(b)  # kept with the state
+    said = [str(w.message) for w in caught]
+    assert any(re.search(r"8 power-EMA snapshot\(s\) .*\(steps 10, 12, "
+                         r"14, \.\.\., 22, 24\) .*this run starts at step "
+                         r"8", m) for m in said), said
+    assert any(re.search(r"4 power-EMA snapshot\(s\) .*\(steps 2, 4, 6, 8"
+                         r"\) are not this run's: they record another run "
+                         r"than this one \(" + _run_of(b), m)
+               for m in said), said
+    alone = tmp_path / "alone"
+    resume(alone)
+    names = sorted(p.name for p in folder.glob("phema-*.npz"))
+    assert names == sorted(p.name for p in alone.glob("phema-*.npz")) == [
+        f"phema-{step:09d}.npz" for step in (10, 12, 14, 16)]
+    for sigma_rel in (0.08, 0.12):
+        expected = resumed.optimizer.averaging.synthesize(
+            sigma_rel, snapshot_dir=str(alone))
+        got = resumed.optimizer.averaging.synthesize(sigma_rel)
+        assert sorted(got) == sorted(expected)
+        for path in got:
+            np.testing.assert_array_equal(got[path], expected[path])
+
+
+def test_synthesize_refuses_the_snapshots_of_two_runs(tmp_path):
+    # Written beside each other (two runs in one folder at once), they fit
+    # no run's power EMA. Snapshots that record no run are taken.
+    from keras_ema_opt.averaging import posthoc
+
+    for step, run in ((10, "aa"), (20, None), (30, "aa")):
+        posthoc.write_snapshot(tmp_path, step, [6.0], 1,
+                               {"0/w": np.full(2, step, "float32")}, run=run)
+    posthoc.synthesize(str(tmp_path), 6.0)
+    posthoc.write_snapshot(tmp_path, 40, [6.0], 1,
+                           {"0/w": np.full(2, -1, "float32")}, run="bb")
+    with pytest.raises(InvalidArgumentError,
+                       match=r"are of 2 runs \(run aa: steps 10, 30; run bb: "
+                       r"steps 40\).*move all but one"):
+        posthoc.synthesize(str(tmp_path), 6.0)
+    # As a run writes its first snapshot into the folder, the other's go.
+    with pytest.warns(UserWarning, match=r"3 power-EMA snapshot\(s\) .*"
+                      r"\(steps 10, 30, 40\) are not this run's: they "
+                      r"record another run than this one \(cc\)"):
+        posthoc.set_aside_other_runs(tmp_path, "cc")
+    assert [p.name for p in tmp_path.glob("phema-*.npz")] == [
+        "phema-000000020.npz"]
+
 def _loop_run(folder, target, every, steps):
     """A custom loop from step 0 pulling ``w`` toward ``target``, a
     snapshot every ``every`` steps; the optimizer."""

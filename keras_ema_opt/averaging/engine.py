@@ -45,6 +45,19 @@ def _working_dtype(dtype):
     return "float32" if dtype in ("float16", "bfloat16") else dtype
 
 
+def _new_run(shape, dtype=None):
+    """A run's identity: 64 bits of the system's randomness, not of Keras'
+    seed (two runs seeded alike are still two runs). Each process draws
+    its own; the chief's is the one its snapshots record."""
+    return ops.convert_to_tensor(
+        np.frombuffer(os.urandom(8), "<i4").reshape(shape), dtype=dtype)
+
+
+def run_name(run):
+    """The text a snapshot records for the ``run`` variable's value."""
+    return np.asarray(run, "<i4").tobytes().hex()
+
+
 class Averager:
     """The averages of one optimizer, for one strategy."""
 
@@ -58,6 +71,7 @@ class Averager:
         self.extra_index = {}
         self.count = None
         self.debias = None
+        self.run = None  # PowerEMA: which run its snapshots are of
         self.swaps = []  # open swaps (Python state only while open)
         self._folded = set()  # averaged by this step's update (fold_weights)
         self._fold_plan = None  # the plan fold_weights computed, for update
@@ -99,6 +113,13 @@ class Averager:
             self.debias = optimizer.add_variable(
                 (), dtype="float32", initializer="zeros",
                 name="averaging_debias",
+            )
+        if hasattr(strategy, "gammas"):
+            # Which run the snapshots are of (`save_snapshot`): kept with
+            # the state, so that a run resumed from it keeps its own.
+            self.run = optimizer.add_variable(
+                (2,), dtype="int32", initializer=_new_run,
+                name="averaging_run",
             )
 
     def _slot(self, optimizer, var, index):
@@ -528,21 +549,27 @@ class Averager:
                 # Whole, on every process (the chief writes it).
                 arrays[f"{index}/{name}"] = backend.host_array(slot.value)
         step = int(ops.convert_to_numpy(optimizer.iterations))
+        run = run_name(backend.host_array(self.run.value))
 
         def write():
-            # A custom loop's first snapshot into a folder: what the folder
-            # holds of steps after the one its run started at is not of
-            # its past (another run's, or steps a resumed run takes
-            # again), as `PowerEMASnapshots` sets aside when a fit()
-            # starts.
+            # This run's first snapshot into a folder. In a custom loop,
+            # what the folder holds of steps after the one its run started
+            # at is not of its past (another run's, or steps a resumed run
+            # takes again), as `PowerEMASnapshots` sets aside when a fit()
+            # starts. Then what it holds of another run, whatever its
+            # steps (a run resumed at a later step into another's folder).
             start = optimizer.__dict__.get("_keo_run_start")
             folders = self.__dict__.setdefault("_snapshot_folders", set())
             folder = os.path.abspath(directory)
-            if start is not None and folder not in folders:
-                posthoc.set_aside_after_start(directory, start, "started")
+            if folder not in folders:
+                if start is not None:
+                    posthoc.set_aside_after_start(directory, start,
+                                                  "started")
+                posthoc.set_aside_other_runs(directory, run)
                 folders.add(folder)
             return posthoc.write_snapshot(
-                directory, step, strategy.gammas, strategy.every, arrays)
+                directory, step, strategy.gammas, strategy.every, arrays,
+                run=run)
 
         # The chief writes the averages every process holds; every process
         # learns whether that failed (`None` elsewhere).

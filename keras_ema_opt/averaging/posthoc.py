@@ -104,19 +104,22 @@ def _profiles(side, t, gamma):
     return t, gamma
 
 
-def write_snapshot(directory, step, gammas, every, arrays):
+def write_snapshot(directory, step, gammas, every, arrays, run=None):
     """Write one snapshot atomically; returns its path.
 
     ``arrays`` maps ``"<slot>/<variable path>"`` to numpy arrays. Averages
     of a dtype numpy's ``.npz`` cannot read back (bfloat16) are written as
     float32, which holds them exactly. Snapshots in ``directory`` of later
-    steps are not of this run (``set_aside``).
+    steps are not of this run (``set_aside``). ``run`` (text) names the
+    run it is of, where known (``set_aside_other_runs``).
     """
     os.makedirs(directory, exist_ok=True)
     set_aside(directory, after=int(step))
     path = os.path.join(directory, SNAPSHOT_PATTERN.format(step=int(step)))
     meta = {"step": int(step), "gammas": [float(g) for g in gammas],
             "every": int(every)}
+    if run is not None:
+        meta["run"] = str(run)
     arrays = {key: _storable(np.asarray(value))
               for key, value in arrays.items()}
     with _io.temporary_beside(path, ".npz") as tmp:
@@ -151,7 +154,37 @@ def set_aside(directory, after=-1, why=None):
     """
     later = sorted((step, path) for step, path in
                    _snapshot_steps(directory).items() if step > after)
-    if not later:
+    return _move_aside(
+        directory, later,
+        why or f"it writes step {after}, and a run writes its snapshots "
+        "in order: they are another run's (the folder used again), or "
+        "of steps a run resumed from an earlier point takes again")
+
+
+def set_aside_other_runs(directory, run):
+    """``set_aside`` of the snapshots of ``directory`` that record another
+    run than ``run``, whatever their steps: a run resumed at a later step
+    into a folder another run used. Snapshots that record no run, or that
+    cannot be read, stay (``synthesize`` names the latter)."""
+    others = []
+    for step, path in sorted(_snapshot_steps(directory).items()):
+        try:
+            theirs = _read_meta(path).get("run")
+        except InvalidArgumentError:
+            continue
+        if theirs is not None and theirs != run:
+            others.append((step, path))
+    return _move_aside(
+        directory, others,
+        f"they record another run than this one ({run}), and a folder "
+        "keeps one run's snapshots (the folder used again)")
+
+
+def _move_aside(directory, items, why):
+    """Move the ``(step, path)`` snapshots ``items`` to a new
+    ``superseded-<time>-<n>/`` in ``directory``, with a warning saying
+    ``why`` they are not this run's; that folder, or None for none."""
+    if not items:
         return None
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime(
         "%Y%m%dT%H%M%SZ")
@@ -160,17 +193,14 @@ def set_aside(directory, after=-1, why=None):
         n += 1
     aside = os.path.join(directory, f"superseded-{stamp}-{n}")
     os.makedirs(aside)
-    for _, path in later:
+    for _, path in items:
         os.replace(path, os.path.join(aside, os.path.basename(path)))
-    steps = [step for step, _ in later]
+    steps = [step for step, _ in items]
     warnings.warn(
         f"{len(steps)} power-EMA snapshot(s) in {directory} (steps "
         f"{', '.join(map(str, _elided(steps, 3, 2)))}) are not this run's: "
-        + (why or f"it writes step {after}, and a run writes its snapshots "
-           "in order: they are another run's (the folder used again), or "
-           "of steps a run resumed from an earlier point takes again")
-        + f". Moved to {aside}, so that synthesize() reads this run's "
-        "alone.", stacklevel=3)
+        + why + f". Moved to {aside}, so that synthesize() reads this "
+        "run's alone.", stacklevel=4)
     return aside
 
 
@@ -229,6 +259,9 @@ def _read_meta(path):
         raise _snapshot_error(
             path, f"its update interval `every` is {every!r}, not a "
             "positive integer")
+    if not isinstance(meta.get("run", ""), str):
+        raise _snapshot_error(
+            path, f"its `run` is {meta['run']!r}, not a run's name (text)")
     return meta
 
 
@@ -596,6 +629,25 @@ def _non_finite(name, slot, meta, path, index):
         + hint)
 
 
+def _one_run(directory, metas):
+    """Refuse snapshots of more than one run (those that record one)."""
+    runs = {}
+    for meta in metas:
+        if "run" in meta:
+            runs.setdefault(meta["run"], []).append(meta["step"])
+    if len(runs) > 1:
+        listed = "; ".join(
+            f"run {run}: steps {', '.join(map(str, _elided(steps, 3, 2)))}"
+            for run, steps in runs.items())
+        raise InvalidArgumentError(
+            f"The snapshots in {directory!r} are of {len(runs)} runs "
+            f"({listed}), and a reconstruction mixing them fits no run's "
+            "power EMA. A run sets another's aside as it writes its first "
+            "snapshot into a folder; these were written beside each other "
+            "(two runs writing into one folder at once?): move all but "
+            "one run's snapshots out of it.")
+
+
 def synthesize(directory, gamma, step=None):
     """The weights of a power EMA of exponent ``gamma`` at ``step``.
 
@@ -622,8 +674,9 @@ def synthesize(directory, gamma, step=None):
 
     Raises:
         InvalidArgumentError: a step that is not a snapshot's, no snapshots,
-            a damaged file, snapshots that do not come from one model, or
-            a snapshot holding NaN or infinite averages (each named).
+            a damaged file, snapshots of more than one run or that do not
+            come from one model, or a snapshot holding NaN or infinite
+            averages (each named).
     """
     # Each snapshot's profile ends at its averages' last update
     # (`profile_end`), never before an earlier snapshot's (a run resumed
@@ -651,6 +704,7 @@ def synthesize(directory, gamma, step=None):
     for meta, path in _index(directory):
         end = max(end, profile_end(meta))
         index.append((meta, path, end))
+    _one_run(directory, [meta for meta, _, _ in index])
     early = {meta["step"]: meta for meta, _, e in index if e == 0}
     index = [item for item in index if item[2] > 0]
     if not index:
