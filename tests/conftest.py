@@ -39,6 +39,12 @@ def to_numpy(x):
     return np.asarray(keras.ops.convert_to_numpy(x))
 
 
+def computed(variables):
+    """``variables`` but a ``PowerEMA``'s run identity (``averaging_run``),
+    drawn apart for each run: what two runs compute alike."""
+    return [v for v in variables if not v.path.endswith("/averaging_run")]
+
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 

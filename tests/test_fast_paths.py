@@ -18,6 +18,7 @@ import pytest
 import keras_ema_opt
 from conftest import BACKEND
 from conftest import ROOT
+from conftest import computed
 from conftest import only_on
 from conftest import to_numpy
 from keras_ema_opt.errors import InvalidArgumentError
@@ -1241,11 +1242,8 @@ def _kernel_off(monkeypatch):
 
 
 def _state_of(optimizer, variables):
-    """The weights and the optimizer's state, but a ``PowerEMA``'s run
-    (drawn apart for each run)."""
     return [to_numpy(v) for v in variables] + [
-        to_numpy(v) for v in optimizer.variables
-        if not v.path.endswith("/averaging_run")]
+        to_numpy(v) for v in computed(optimizer.variables)]
 
 
 _KERNEL_CASES = [

@@ -47,10 +47,10 @@ def _working_dtype(dtype):
 
 def _new_run(shape, dtype=None):
     """A run's identity: 64 bits of the system's randomness, not of Keras'
-    seed (two runs seeded alike are still two runs). Each process draws
-    its own; the chief's is the one its snapshots record."""
-    return ops.convert_to_tensor(
-        np.frombuffer(os.urandom(8), "<i4").reshape(shape), dtype=dtype)
+    seed (two runs seeded alike are still two runs), the chief's on every
+    process of a multi-process run."""
+    drawn = np.frombuffer(os.urandom(8), "<i4").reshape(shape)
+    return ops.convert_to_tensor(backend.from_chief(drawn), dtype=dtype)
 
 
 def run_name(run):

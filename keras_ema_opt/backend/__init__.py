@@ -111,6 +111,11 @@ here. Each backend module provides the same set:
   multi-process run, a collective every process joins (PyTorch: an
   all-reduce over the group; TensorFlow: over a multi-worker strategy's
   workers; JAX: an all-gather over ``jax.distributed``'s processes).
+- ``from_chief(value)``: the chief's numpy ``value`` on every process of
+  a multi-process run, a collective every process joins (JAX: a
+  broadcast over ``jax.distributed``'s processes; PyTorch: an all-reduce
+  over the group; TensorFlow: ``value`` itself, since a multi-worker
+  strategy gives a new variable the chief's initial value).
 - ``attach_model(optimizer, model)``: let ``fit()`` on ``model`` feed the
   model's new non-trainable values to the averaging (JAX wraps the model's
   ``train_step``; a no-op elsewhere).
@@ -160,6 +165,7 @@ mark_step_made = _impl.mark_step_made
 sync_initial_state = _impl.sync_initial_state
 is_chief = _impl.is_chief
 any_process = _impl.any_process
+from_chief = _impl.from_chief
 on_create = _impl.on_create
 chief_only_scope = _impl.chief_only_scope
 whole_values_scope = _impl.whole_values_scope
@@ -200,6 +206,7 @@ __all__ = [
     "sync_initial_state",
     "is_chief",
     "any_process",
+    "from_chief",
     "on_create",
     "chief_only_scope",
     "whole_values_scope",

@@ -211,6 +211,26 @@ def any_process_over(sum_over_processes):
     return any_process
 
 
+def from_chief(value):
+    """The chief's numpy ``value`` on every process of a multi-process run
+    (a collective every process joins): ``value`` itself outside one, and
+    on TensorFlow, whose multi-worker strategies give a new variable the
+    chief's initial value themselves."""
+    return value
+
+
+def from_chief_over(sum_over_processes, is_chief):
+    """``from_chief`` of a backend whose ``sum_over_processes`` is an
+    all-reduce every process joins: the sum of the chief's value and the
+    others' zeros (exact in float64 for 32-bit integers)."""
+    def from_chief(value):
+        value = np.asarray(value)
+        mine = value if is_chief() else np.zeros_like(value)
+        total = sum_over_processes(mine.astype(np.float64))
+        return np.asarray(total).astype(value.dtype)
+    return from_chief
+
+
 def on_create(optimizer):
     """Nothing to prepare when an optimizer is made."""
     del optimizer

@@ -477,6 +477,19 @@ def is_chief():
     return jax.process_index() == 0
 
 
+def from_chief(value):
+    """Process 0's numpy ``value`` on every process of a multi-process JAX
+    run (a broadcast every process joins: a replicated array must hold
+    the same value on each); ``value`` itself in one process."""
+    if jax.process_count() == 1:
+        return value
+    from jax.experimental import multihost_utils
+
+    value = np.asarray(value)
+    return np.asarray(
+        multihost_utils.broadcast_one_to_all(value)).astype(value.dtype)
+
+
 def any_process(flag):
     """Whether ``flag`` is true on any process of a multi-process JAX run
     (an all-gather every process joins); ``flag`` itself in one process."""

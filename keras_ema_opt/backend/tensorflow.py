@@ -24,6 +24,7 @@ step_gradients = _common.step_gradients
 mark_step_made = _common.mark_step_made
 sync_initial_state = _common.sync_initial_state
 host_array = _common.host_array
+from_chief = _common.from_chief
 forward_spans_processes = _common.forward_spans_processes
 chief_only_scope = _common.chief_only_scope
 whole_values_scope = _common.whole_values_scope

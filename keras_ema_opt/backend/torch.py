@@ -754,6 +754,10 @@ def is_chief():
         dist.get_rank() == 0)
 
 
+# Rank 0's value on every rank (an all-reduce every rank joins).
+from_chief = _common.from_chief_over(sum_over_processes, is_chief)
+
+
 def lerp_averages(pairs, weight, gated=False):
     """``a <- a + weight (x - a)`` as one ``torch._foreach_lerp_`` per
     device and dtype (one pass, no temporary; as torch's ``AveragedModel``

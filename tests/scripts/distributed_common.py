@@ -108,7 +108,8 @@ def failed_writes(model, out, fit, scope=contextlib.nullcontext):
     write through ``on_chief`` that a ``KeyboardInterrupt`` ends. For each, what this process raised: ``[type name, whether an
     OSError]`` (None where nothing was); then whether a collective after
     them still joins every process (``any_process`` of the chief's
-    True). ``scope``: where the snapshots' model is made (a strategy's)."""
+    True), and the snapshots' run identity this process holds. ``scope``:
+    where the snapshots' model is made (a strategy's)."""
     import keras_ema_opt
     from keras_ema_opt import backend
 
@@ -148,6 +149,10 @@ def failed_writes(model, out, fit, scope=contextlib.nullcontext):
         except BaseException as e:  # noqa: BLE001 - its type is the result
             raised[name] = [type(e).__name__, isinstance(e, OSError)]
     raised["in_step"] = backend.any_process(chief)
+    # The snapshots' run, which every process holds as the chief drew it.
+    from keras_ema_opt.averaging.engine import run_name
+
+    raised["run"] = run_name(backend.host_array(snap.optimizer._averager.run))
     return raised
 
 
