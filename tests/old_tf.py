@@ -118,9 +118,16 @@ def lookups(version):
 
 
 def main(argv):
-    """``python tests/old_tf.py VERSION``: print the set's cases (for
-    ``make_old_tf_fixtures.sh``)."""
-    print(" ".join(cases(argv[1])))
+    """For ``make_old_tf_fixtures.sh``: ``python tests/old_tf.py cases
+    VERSION`` prints the set's cases, ``python tests/old_tf.py python
+    VERSION`` the interpreter of the release's environment (made first
+    where missing)."""
+    command, version = argv[1:]
+    if version not in RELEASES:
+        sys.exit(f"no fixture set for TensorFlow {version} (one of "
+                 f"{', '.join(RELEASES)})")
+    print(" ".join(cases(version)) if command == "cases"
+          else _install(version))
 
 
 if __name__ == "__main__":

@@ -3,7 +3,8 @@
 # tests/fixtures/tf2.15/, with that TensorFlow release's own Keras 2
 # (tf.keras 2.12 in TensorFlow 2.12.1; Keras 2.15, the `keras` package that
 # TensorFlow 2.15.1 ships as tf.keras), in a separate Python 3.11 virtual
-# environment (about 20 s to install from the package registry):
+# environment, the one the tests make under .pytest-fixtures/ (about 20 s
+# to install from the package registry):
 #
 #     bash tests/scripts/make_old_tf_fixtures.sh 2.12|2.15 [PYTHON3.11]
 #
@@ -18,27 +19,18 @@
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 VERSION=${1:?usage: make_old_tf_fixtures.sh 2.12|2.15 [PYTHON3.11]}
-PYTHON=${2:-python3.11}
-case "$VERSION" in
-    2.12) RELEASE=2.12.1 ;;
-    2.15) RELEASE=2.15.1 ;;
-    *) echo "no fixture set for TensorFlow $VERSION (2.12 or 2.15)" >&2
-       exit 2 ;;
-esac
-VENV=${KEO_OLD_TF_VENV:-/tmp/keo-tf$VERSION}
-if [ ! -x "$VENV/bin/python" ]; then
-    "$PYTHON" -m venv "$VENV"
-    "$VENV/bin/pip" install -q "tensorflow-cpu==$RELEASE" "h5py<3.17"
-fi
-CASES=$("$VENV/bin/python" tests/old_tf.py "$VERSION")
+# The release's environment, as the tests make it (tests/old_tf.py).
+export KEO_OLD_TF_PYTHON=${2:-${KEO_OLD_TF_PYTHON:-python3.11}}
+PY=$(python3 tests/old_tf.py python "$VERSION")
+CASES=$(python3 tests/old_tf.py cases "$VERSION")
 OUT=tests/fixtures/tf$VERSION
 rm -rf "$OUT.tmp"
 mkdir -p "$OUT.tmp"
 # TensorFlow 2.15 would look for tf_keras where TF_USE_LEGACY_KERAS is set
 # (make_legacy_artifacts.py sets it for TensorFlow 2.16 and later).
 TF_USE_LEGACY_KERAS=0 CUDA_VISIBLE_DEVICES="" TF_CPP_MIN_LOG_LEVEL=3 \
-    "$VENV/bin/python" tests/scripts/make_legacy_artifacts.py "$OUT.tmp" $CASES
-"$VENV/bin/python" -c "import tensorflow as tf; print(tf.__version__)" \
+    "$PY" tests/scripts/make_legacy_artifacts.py "$OUT.tmp" $CASES
+"$PY" -c "import tensorflow as tf; print(tf.__version__)" \
     > "$OUT.tmp/TENSORFLOW_VERSION"
 rm -rf "$OUT"
 mv "$OUT.tmp" "$OUT"
@@ -48,7 +40,7 @@ du -sh "$OUT"
 rm -rf "$OUT-lookups.tmp"
 mkdir -p "$OUT-lookups.tmp"
 TF_USE_LEGACY_KERAS=0 CUDA_VISIBLE_DEVICES="" TF_CPP_MIN_LOG_LEVEL=3 \
-    "$VENV/bin/python" tests/scripts/make_lookup_artifacts.py \
+    "$PY" tests/scripts/make_lookup_artifacts.py \
     "$OUT-lookups.tmp"
 rm -rf "$OUT-lookups.tmp/padded" "$OUT-lookups.tmp/same_names"
 cp "$OUT/TENSORFLOW_VERSION" "$OUT-lookups.tmp/"
